@@ -1,0 +1,16 @@
+"""Single-device core: attention states, attention with lse, the energy function.
+
+Nothing here imports ``torch.distributed``."""
+
+from .attention import BACKENDS, attention_with_lse, check_attention_inputs
+from .state import empty_state, merge_states, merge_states_n, normalize_lse
+
+__all__ = [
+    "BACKENDS",
+    "attention_with_lse",
+    "check_attention_inputs",
+    "empty_state",
+    "merge_states",
+    "merge_states_n",
+    "normalize_lse",
+]

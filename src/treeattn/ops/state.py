@@ -1,0 +1,91 @@
+"""Attention states ``(out, lse)`` and their associative, commutative merge.
+
+An attention state summarises attention of a query over a *set* of keys: ``out`` is the
+softmax-weighted average of the values and ``lse`` the log of the softmax denominator
+(natural log of ``sum_a exp(score_a)``). The empty set is the state ``(0, -inf)``.
+
+Two states over disjoint key sets merge into the state over their union::
+
+    lse = logaddexp(lse_a, lse_b)
+    out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b
+
+The merge is associative and commutative (up to float rounding), so any reduction tree
+over p partial states gives the exact result. All merge arithmetic is float32 (float64
+when the inputs are float64).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["merge_states", "merge_states_n", "normalize_lse", "empty_state"]
+
+
+def _acc_dtype(*ts: Tensor) -> torch.dtype:
+    return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
+
+
+def normalize_lse(lse: Tensor) -> Tensor:
+    """Return ``lse`` as float32 (or float64) with NaN and +inf replaced by -inf (empty).
+
+    Backends report a fully masked row in several ways (NaN, +inf, 0 with a zero output);
+    the numerics contract is that only ``-inf`` means "no key", so anything non-finite
+    becomes ``-inf``.
+    """
+    lse = lse.to(_acc_dtype(lse))
+    return torch.where(torch.isfinite(lse), lse, float("-inf"))
+
+
+def empty_state(shape_out: tuple[int, ...], device: torch.device | str | None = None) -> tuple[Tensor, Tensor]:
+    """The identity of the merge: ``out`` zeros of ``shape_out`` and ``lse`` -inf of
+    ``shape_out[:-1]``, both float32."""
+    out = torch.zeros(shape_out, dtype=torch.float32, device=device)
+    lse = torch.full(shape_out[:-1], float("-inf"), dtype=torch.float32, device=device)
+    return out, lse
+
+
+def merge_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Merge two attention states over disjoint key sets.
+
+    Args:
+        out_a, out_b: ``[..., D]`` attention outputs, any float dtype; broadcastable.
+        lse_a, lse_b: ``[...]`` log-sum-exp of the scores (natural log), any float dtype.
+            NaN and +inf are treated as -inf (an empty state).
+
+    Returns:
+        ``(out, lse)``: ``out [..., D]`` and ``lse [...]``, both float32 (float64 if any
+        input is float64). ``(0, -inf)`` is the identity; merging two empty states gives
+        ``(0, -inf)``, never NaN. Stable for any finite lse difference (e.g. ±1e4).
+    """
+    return merge_states_n(
+        torch.stack(torch.broadcast_tensors(out_a, out_b)),
+        torch.stack(torch.broadcast_tensors(lse_a, lse_b)),
+    )
+
+
+def merge_states_n(out: Tensor, lse: Tensor, dim: int = 0) -> tuple[Tensor, Tensor]:
+    """Merge N attention states stacked along ``dim``.
+
+    Args:
+        out: ``[..., N, ..., D]`` stacked outputs (N at ``dim``; ``dim`` must not be the last).
+        lse: ``out.shape[:-1]`` stacked log-sum-exps; NaN/+inf are treated as empty.
+        dim: the stacking dimension (of ``lse``; negative values count from lse's end).
+
+    Returns:
+        ``(out, lse)`` with ``dim`` removed, float32 (float64 if an input is float64).
+        N = 0 or all-empty inputs give ``(0, -inf)``.
+    """
+    if out.shape[:-1] != lse.shape:
+        raise ValueError(f"merge_states_n: out.shape[:-1] {tuple(out.shape[:-1])} != lse.shape {tuple(lse.shape)}")
+    dim = dim % lse.ndim
+    acc = _acc_dtype(out, lse)
+    lse = normalize_lse(lse).to(acc)
+    m = lse.amax(dim, keepdim=True) if lse.shape[dim] else lse.sum(dim, keepdim=True) + float("-inf")
+    m = torch.where(torch.isinf(m), 0.0, m)  # all-empty rows: any finite shift works
+    w = torch.exp(lse - m)  # 0 for empty states, <= 1 otherwise
+    s = w.sum(dim)
+    w_ = w.unsqueeze(-1)
+    num = torch.where(w_ > 0, w_ * out.to(acc), 0.0).sum(dim)  # empty states may carry NaN out
+    out_m = num / torch.where(s > 0, s, 1.0).unsqueeze(-1)
+    return out_m, m.squeeze(dim) + torch.log(s)

@@ -1,0 +1,171 @@
+import itertools
+
+import pytest
+import torch
+
+from reference import assert_within_tolerance, max_err, reference
+from treeattn import attention_with_lse
+from treeattn.ops.attention import _SCORE_BUDGET
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+BACKENDS = ["torch", "flash_cpu", "auto"]
+
+
+def make(B, Hq, Hkv, Tq, S, D, dtype=torch.float32, seed=0, Dv=None):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, Tq, D, generator=g).to(dtype)
+    k = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    v = torch.randn(B, Hkv, S, Dv or D, generator=g).to(dtype)
+    return q, k, v
+
+
+GRID = list(
+    itertools.product(
+        [1, 3],  # B
+        [(8, 8), (12, 4), (8, 1)],  # Hq, Hkv
+        [64, 128],  # D
+        [1, 4],  # Tq
+        [False, True],  # causal
+        [False, True],  # ragged kv_lens (with a 0)
+    )
+)
+
+
+@pytest.mark.parametrize("backend", ["torch", "flash_cpu"])
+@pytest.mark.parametrize("B,heads,D,Tq,causal,ragged", GRID)
+def test_grid_float32(backend, B, heads, D, Tq, causal, ragged):
+    S = 37
+    q, k, v = make(B, *heads, Tq, S, D, seed=B * 100 + D + Tq)
+    kv_lens = None
+    if ragged:
+        kv_lens = torch.tensor([0, S, 5][:B] if B == 3 else [3])
+    out, lse = attention_with_lse(q, k, v, kv_lens=kv_lens, causal=causal, backend=backend)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    assert_within_tolerance(out, lse, q, k, v, kv_lens=kv_lens, causal=causal)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,Tq,causal", [((8, 8), 1, False), ((12, 4), 4, True), ((8, 1), 4, False)])
+def test_dtypes(backend, dtype, heads, Tq, causal):
+    q, k, v = make(3, *heads, Tq, 300, 64, dtype=dtype, seed=7)
+    kv_lens = torch.tensor([300, 0, 17])
+    out, lse = attention_with_lse(q, k, v, kv_lens=kv_lens, causal=causal, backend=backend)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_within_tolerance(out, lse, q, k, v, kv_lens=kv_lens, causal=causal)
+
+
+@pytest.mark.parametrize("S", [1, 2, 65, 1000])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lengths(S, backend):
+    q, k, v = make(1, 8, 4, 1, S, 64, seed=S)
+    out, lse = attention_with_lse(q, k, v, backend=backend)
+    assert_within_tolerance(out, lse, q, k, v)
+
+
+@pytest.mark.parametrize("backend", ["torch", "flash_cpu"])
+def test_long_context_65536(backend):
+    q, k, v = make(1, 8, 2, 2, 65536 + 3, 64, seed=1)
+    kv_lens = torch.tensor([65536 + 1])
+    out, lse = attention_with_lse(q, k, v, kv_lens=kv_lens, causal=True, backend=backend)
+    assert_within_tolerance(out, lse, q, k, v, kv_lens=kv_lens, causal=True)
+
+
+def test_chunked_path_really_chunks(monkeypatch):
+    """With a tiny score budget the torch path runs many chunks and still matches."""
+    import treeattn.ops.attention as A
+
+    monkeypatch.setattr(A, "_SCORE_BUDGET", 64)
+    q, k, v = make(3, 12, 4, 4, 5000, 32, seed=3)
+    kv_lens = torch.tensor([5000, 1, 2999])
+    out, lse = attention_with_lse(q, k, v, kv_lens=kv_lens, causal=True, backend="torch")
+    assert_within_tolerance(out, lse, q, k, v, kv_lens=kv_lens, causal=True)
+    assert _SCORE_BUDGET > 64
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_rows_and_shards(backend):
+    # S = 0: every row empty.
+    q, k, v = make(2, 4, 2, 3, 0, 16)
+    out, lse = attention_with_lse(q, k, v, backend=backend)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    # Causal with Tq > L: the first rows see no key.
+    q, k, v = make(1, 4, 2, 3, 8, 16)
+    out, lse = attention_with_lse(q, k, v, kv_lens=torch.tensor([1]), causal=True, backend=backend)
+    assert torch.isneginf(lse[..., :2]).all() and (out[..., :2, :] == 0).all()
+    assert torch.isfinite(lse[..., 2]).all()
+    assert_within_tolerance(out, lse, q, k, v, kv_lens=torch.tensor([1]), causal=True)
+
+
+def test_value_head_dim_may_differ():
+    q, k, v = make(2, 4, 2, 2, 50, 16, Dv=24)
+    out, lse = attention_with_lse(q, k, v, causal=True)
+    assert out.shape == (2, 4, 2, 24)
+    assert_within_tolerance(out, lse, q, k, v, causal=True)
+
+
+def test_scale_and_large_logits():
+    q, k, v = make(1, 4, 4, 1, 200, 32)
+    for backend in BACKENDS:
+        out, lse = attention_with_lse(q * 30, k * 30, v, scale=3.0, backend=backend)
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+        ro, rl = reference(q * 30, k * 30, v, scale=3.0)
+        assert max_err(out, ro) < 1e-4 and max_err(lse, rl) / rl.abs().max().item() < 1e-6
+
+
+def test_float64_stays_float64():
+    q, k, v = make(1, 4, 2, 2, 40, 16, dtype=torch.float64)
+    for backend in BACKENDS:
+        out, lse = attention_with_lse(q, k, v, causal=True, backend=backend)
+        ro, rl = reference(q, k, v, causal=True)
+        assert out.dtype == torch.float64 and max_err(out, ro) < 1e-12 and max_err(lse, rl) < 1e-12
+
+
+def test_flash_cpu_private_op_contract():
+    """Pins the behaviour of the private aten op we rely on (it may change in a release)."""
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    q, k, v = make(1, 2, 2, 3, 9, 8)
+    out, lse = op(q, k, v, scale=0.5)
+    ro, rl = reference(q, k, v, scale=0.5)
+    assert lse.dtype == torch.float32 and lse.shape == (1, 2, 3)
+    assert max_err(out, ro) < 1e-5 and max_err(lse, rl) < 1e-5
+    _, lse_b = op(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert lse_b.dtype == torch.float32
+
+
+BAD = [
+    ("q must be 4-D", lambda q, k, v: dict(q=q[0])),
+    (
+        "Hq must be a multiple of Hkv",
+        lambda q, k, v: dict(k=torch.cat([k, k[:, :1]], 1), v=torch.cat([v, v[:, :1]], 1)),
+    ),
+    ("head dim", lambda q, k, v: dict(k=k[..., :8])),
+    ("share one dtype", lambda q, k, v: dict(k=k.double())),
+    ("batch size", lambda q, k, v: dict(k=k[:1], v=v[:1])),
+    ("k and v must agree", lambda q, k, v: dict(v=v[:, :, :3])),
+    ("kv_lens must lie in", lambda q, k, v: dict(kv_lens=torch.tensor([0, 11]))),
+    ("kv_lens must lie in", lambda q, k, v: dict(kv_lens=torch.tensor([-1, 1]))),
+    ("kv_lens must be an integer tensor", lambda q, k, v: dict(kv_lens=torch.tensor([1.0, 2.0]))),
+    ("kv_lens must be an integer tensor", lambda q, k, v: dict(kv_lens=torch.tensor([1]))),
+    ("q contains NaN", lambda q, k, v: dict(q=q.clone().fill_(float("nan")))),
+    ("backend must be one of", lambda q, k, v: dict(backend="cuda-magic")),
+    ("scale must be a finite", lambda q, k, v: dict(scale=float("inf"))),
+    ("floating dtype", lambda q, k, v: dict(q=q.long(), k=k.long(), v=v.long())),
+]
+
+
+@pytest.mark.parametrize("msg,change", BAD, ids=[f"{i}-{m}" for i, (m, _) in enumerate(BAD)])
+def test_bad_input(msg, change):
+    q, k, v = make(2, 4, 2, 1, 10, 16)
+    args = dict(q=q, k=k, v=v)
+    args.update(change(q, k, v))
+    q2, k2, v2 = args.pop("q"), args.pop("k"), args.pop("v")
+    with pytest.raises(ValueError, match=msg):
+        attention_with_lse(q2, k2, v2, **args)
+
+
+def test_non_tensor_is_type_error():
+    q, k, v = make(1, 2, 2, 1, 4, 8)
+    with pytest.raises(TypeError, match="k must be a torch.Tensor"):
+        attention_with_lse(q, k.tolist(), v)

@@ -1,0 +1,139 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from treeattn import merge_states, merge_states_n
+from treeattn.ops.energy import tree_reduce
+
+D = 8
+NEG = float("-inf")
+
+
+def state_of(scores: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact float64 state of one query over keys with the given scores [R, n] and values [n, D]."""
+    if scores.shape[-1] == 0:
+        return torch.zeros(scores.shape[0], D, dtype=torch.float64), torch.full(
+            (scores.shape[0],), NEG, dtype=torch.float64
+        )
+    lse = torch.logsumexp(scores, -1)
+    return torch.softmax(scores, -1) @ vals, lse
+
+
+def _merge_tree(states, shape):
+    """Merge a list of states by a random binary tree given as a nested split pattern."""
+    if len(states) == 1:
+        return states[0]
+    cut = shape[0] % (len(states) - 1) + 1
+    a = _merge_tree(states[:cut], shape[1:] or [1])
+    b = _merge_tree(states[cut:], shape[1:] or [1])
+    return merge_states(a[0], a[1], b[0], b[1])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n=st.integers(1, 60),
+    cuts=st.lists(st.integers(0, 60), min_size=0, max_size=15),
+    offsets=st.lists(st.floats(-1e4, 1e4), min_size=16, max_size=16),
+    tree=st.lists(st.integers(0, 1000), min_size=1, max_size=20),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_random_partitions_and_trees_equal_one_pass(n, cuts, offsets, tree, seed):
+    g = torch.Generator().manual_seed(seed)
+    R = 3
+    bounds = sorted(min(c, n) for c in cuts)
+    edges = [0, *bounds, n]  # 1..16 chunks, empty chunks allowed
+    scores = torch.randn(R, n, generator=g, dtype=torch.float64) * 3
+    vals = torch.randn(n, D, generator=g, dtype=torch.float64)
+    for i, (a, b) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
+        scores[:, a:b] += offsets[i]  # whole chunks far apart in lse
+    full_o, full_l = state_of(scores, vals)
+    states = [
+        tuple(x.float() for x in state_of(scores[:, a:b], vals[a:b]))
+        for a, b in zip(edges[:-1], edges[1:], strict=True)
+    ]
+    out, lse = _merge_tree(states, tree)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert (lse.double() - full_l).abs().max() <= 1e-6 * max(1.0, full_l.abs().max().item()) + 1e-5
+    # Inputs are float32: an lse of magnitude M is known to ~M * 2^-24, which moves every
+    # weight exp(lse_i - lse) by that relative amount. That is the float32 floor.
+    out_tol = 1e-5 + 4 * 2**-24 * full_l.abs().max().item() * vals.abs().max().item()
+    assert (out.double() - full_o).abs().max() <= out_tol
+    # N-ary form agrees too
+    o_n, l_n = merge_states_n(torch.stack([s[0] for s in states]), torch.stack([s[1] for s in states]))
+    assert (o_n - out).abs().max() <= out_tol and (l_n - lse).abs().max() <= 1e-6 * max(
+        1.0, lse.abs().max().item()
+    ) + 1e-5
+
+
+@settings(max_examples=100, deadline=None)
+@given(la=st.floats(-1e4, 1e4), lb=st.floats(-1e4, 1e4), lc=st.floats(-1e4, 1e4), seed=st.integers(0, 1000))
+def test_commutative_and_associative(la, lb, lc, seed):
+    g = torch.Generator().manual_seed(seed)
+    o = [torch.randn(4, D, generator=g) for _ in range(3)]
+    lse = [torch.full((4,), x) for x in (la, lb, lc)]
+    ab = merge_states(o[0], lse[0], o[1], lse[1])
+    ba = merge_states(o[1], lse[1], o[0], lse[0])
+    assert torch.allclose(ab[0], ba[0], atol=1e-6) and torch.equal(ab[1], ba[1])
+    left = merge_states(*ab, o[2], lse[2])
+    bc = merge_states(o[1], lse[1], o[2], lse[2])
+    right = merge_states(o[0], lse[0], *bc)
+    # the intermediate lse is rounded to float32 (ulp ~ |lse| 2^-24): the float32 floor
+    tol = 1e-5 + 4 * 2**-24 * max(abs(la), abs(lb), abs(lc)) * max(x.abs().max().item() for x in o)
+    assert torch.allclose(left[0], right[0], atol=tol, rtol=0)
+    assert torch.allclose(left[1], right[1], rtol=1e-6, atol=1e-5)
+
+
+def test_identity_and_empty():
+    o = torch.randn(2, 3, D)
+    l = torch.randn(2, 3)
+    e_o, e_l = torch.zeros_like(o), torch.full_like(l, NEG)
+    out, lse = merge_states(o, l, e_o, e_l)
+    assert torch.equal(out, o) and torch.equal(lse, l)
+    out, lse = merge_states(e_o, e_l, o, l)
+    assert torch.equal(out, o) and torch.equal(lse, l)
+    out, lse = merge_states(e_o, e_l, e_o, e_l)
+    assert torch.equal(out, e_o) and torch.isneginf(lse).all() and not out.isnan().any()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_and_posinf_lse_are_empty(bad):
+    o = torch.randn(5, D)
+    l = torch.randn(5)
+    junk = torch.full((5, D), float("nan"))  # backends may pair a bad lse with NaN output
+    out, lse = merge_states(o, l, junk, torch.full((5,), bad))
+    assert torch.equal(out, o) and torch.equal(lse, l)
+    out, lse = merge_states(junk, torch.full((5,), bad), junk, torch.full((5,), bad))
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+def test_half_inputs_merge_in_float32():
+    o = torch.randn(3, D).bfloat16()
+    l = torch.randn(3).bfloat16()
+    out, lse = merge_states(o, l, o, l)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    assert torch.allclose(out, o.float()) and torch.allclose(lse, l.float() + math.log(2))
+
+
+def test_extreme_differences():
+    o1, o2 = torch.ones(1, D), -torch.ones(1, D)
+    out, lse = merge_states(o1, torch.tensor([1e4]), o2, torch.tensor([-1e4]))
+    assert torch.equal(out, o1) and lse.item() == 1e4
+    out, lse = merge_states(o1, torch.tensor([5000.0]), o2, torch.tensor([5000.0]))
+    assert torch.allclose(out, torch.zeros(1, D)) and abs(lse.item() - (5000 + math.log(2))) < 1e-3
+
+
+def test_n_ary_empty_and_shape_error():
+    out, lse = merge_states_n(torch.zeros(0, 2, D), torch.zeros(0, 2))
+    assert out.shape == (2, D) and torch.isneginf(lse).all() and (out == 0).all()
+    with pytest.raises(ValueError, match="out.shape"):
+        merge_states_n(torch.zeros(3, 2, D), torch.zeros(3, 4))
+
+
+def test_tree_reduce_depth():
+    for p in range(1, 20):
+        total, depth = tree_reduce([torch.tensor(float(i)) for i in range(p)], torch.add)
+        assert total.item() == p * (p - 1) / 2 and depth == math.ceil(math.log2(p))
