@@ -122,25 +122,34 @@ def _attention(
     kv_lens: Tensor | None = None,
     causal: bool = False,
     backend: str = "auto",
+    mask: Tensor | None = None,
+    keep_fp32: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """:func:`attention_with_lse` without validation (callers have validated)."""
+    """:func:`attention_with_lse` without validation (callers have validated).
+
+    ``mask``: optional bool ``[B or 1, Tq, S]``, True = visible, AND-ed with the rest.
+    ``keep_fp32``: return ``out`` in the float32 accumulation dtype (for further merging)."""
     B, Hq, Tq, D = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
     scale = D**-0.5 if scale is None else float(scale)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     if backend == "auto":
         backend = _pick_backend(q, k, v)
     if S == 0 or B * Hq * Tq == 0:
         out, lse = empty_state((B, Hq, Tq, Dv), q.device)
-        return out.to(q.dtype), lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        return out.to(acc if keep_fp32 else q.dtype), lse.to(acc)
     qg = q.reshape(B, Hkv, (Hq // Hkv) * Tq, D)  # row r = g * Tq + i, g the group member
     lim = _visible_limit(B, Tq, Hq // Hkv, S, kv_lens, causal, q.device)
+    vis = None
+    if mask is not None:  # rows r = g * Tq + i take mask row i
+        vis = mask.to(q.device).index_select(1, torch.arange(qg.shape[2], device=q.device) % Tq).unsqueeze(1)
     if backend == "flash_cpu":
         if q.device.type != "cpu" or Dv != D:
             raise ValueError(f"backend 'flash_cpu' needs CPU tensors with Dv == D, got {q.device}, D={D}, Dv={Dv}")
-        out, lse = _flash_cpu(qg, k, v, scale, lim)
+        out, lse = _flash_cpu(qg, k, v, scale, lim, vis)
     else:
-        out, lse = _chunked(qg, k, v, scale, lim)
-    return out.to(q.dtype).reshape(B, Hq, Tq, Dv), lse.reshape(B, Hq, Tq)
+        out, lse = _chunked(qg, k, v, scale, lim, vis)
+    return out.to(acc if keep_fp32 else q.dtype).reshape(B, Hq, Tq, Dv), lse.reshape(B, Hq, Tq)
 
 
 def _pick_backend(q: Tensor, k: Tensor, v: Tensor) -> str:
@@ -167,7 +176,9 @@ def _visible_limit(
     return lim
 
 
-def _chunked(qg: Tensor, k: Tensor, v: Tensor, scale: float, lim: Tensor | None) -> tuple[Tensor, Tensor]:
+def _chunked(
+    qg: Tensor, k: Tensor, v: Tensor, scale: float, lim: Tensor | None, vis: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     B, Hkv, R, _ = qg.shape
     S, Dv = k.shape[2], v.shape[3]
     acc = torch.float64 if qg.dtype == torch.float64 else torch.float32
@@ -180,6 +191,8 @@ def _chunked(qg: Tensor, k: Tensor, v: Tensor, scale: float, lim: Tensor | None)
         if lim is not None:
             j = torch.arange(s0, s0 + kc.shape[2], device=qg.device)
             s = s.masked_fill(j >= lim, float("-inf"))
+        if vis is not None:
+            s = s.masked_fill(~vis[..., s0 : s0 + kc.shape[2]], float("-inf"))
         m = s.amax(-1, keepdim=True)
         m = torch.where(torch.isinf(m), 0.0, m)
         p = torch.exp(s - m)
@@ -194,14 +207,20 @@ def _chunked(qg: Tensor, k: Tensor, v: Tensor, scale: float, lim: Tensor | None)
     return out, lse
 
 
-def _flash_cpu(qg: Tensor, k: Tensor, v: Tensor, scale: float, lim: Tensor | None) -> tuple[Tensor, Tensor]:
-    mask = None
-    if lim is not None:
+def _flash_cpu(
+    qg: Tensor, k: Tensor, v: Tensor, scale: float, lim: Tensor | None, vis: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    mask = empty = None
+    if lim is not None or vis is not None:
         j = torch.arange(k.shape[2], device=qg.device)
-        mask = torch.zeros((), dtype=qg.dtype, device=qg.device).masked_fill(j >= lim, float("-inf"))
+        hide = (j >= lim) if lim is not None else torch.zeros(1, 1, 1, k.shape[2], dtype=torch.bool, device=qg.device)
+        if vis is not None:
+            hide = hide | ~vis
+        mask = torch.zeros((), dtype=qg.dtype, device=qg.device).masked_fill(hide, float("-inf"))
+        empty = hide.all(-1)  # [B or 1, 1, R]
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qg, k, v, attn_mask=mask, scale=scale)
-    if lim is not None:  # the kernel reports a fully masked row as lse 0 / out 0
-        empty = (lim <= 0).squeeze(-1).expand_as(lse)
+    if empty is not None:  # the kernel reports a fully masked row as lse 0 / out 0
+        empty = empty.expand_as(lse)
         lse = lse.masked_fill(empty, float("-inf"))
         out = out.masked_fill(empty.unsqueeze(-1), 0.0)
     lse = lse.to(torch.float64 if qg.dtype == torch.float64 else torch.float32)

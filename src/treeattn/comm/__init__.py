@@ -1,0 +1,18 @@
+"""Reductions of attention states over a ProcessGroup, topology, validation, meter.
+
+Knows nothing about attention beyond "reduce these states over this group"."""
+
+from .meter import CommMeter, metering
+from .strategies import STRATEGIES, LinkModel, choose_strategy, reduce_states, strategy_costs
+from .topology import Topology
+
+__all__ = [
+    "STRATEGIES",
+    "CommMeter",
+    "LinkModel",
+    "Topology",
+    "choose_strategy",
+    "metering",
+    "reduce_states",
+    "strategy_costs",
+]

@@ -1,0 +1,135 @@
+"""Start p local ranks (gloo on loopback by default), run a function on each, and fail fast.
+
+The rendezvous is a ``file://`` store in a private temporary directory, so no port is
+opened for it; gloo's own connections bind to the loopback interface unless
+``GLOO_SOCKET_IFNAME`` says otherwise. Nothing is unpickled from the ranks: a failing rank
+writes its traceback as text, which the launcher reads and reports.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+__all__ = ["launch", "LaunchError"]
+
+
+class LaunchError(RuntimeError):
+    """A rank failed, died or the group timed out. ``rank`` is the first failing rank
+    (None on a timeout) and ``details`` its traceback text when it left one."""
+
+    def __init__(self, msg: str, rank: int | None = None, details: str = "") -> None:
+        super().__init__(msg + (f"\n--- rank {rank} traceback ---\n{details}" if details else ""))
+        self.rank = rank
+        self.details = details
+
+
+def _entry(fn, rank, nproc, local_size, store, errdir, threads, backend, coll_timeout, env, args):
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank % local_size), LOCAL_WORLD_SIZE=str(local_size)
+    )
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        dist.init_process_group(
+            backend,
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=nproc,
+            timeout=datetime.timedelta(seconds=coll_timeout),
+        )
+        try:
+            fn(*args)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        Path(errdir, f"{rank}.txt").write_text(traceback.format_exc())
+        raise SystemExit(1) from None
+
+
+def launch(
+    fn: Callable[..., object],
+    nproc: int,
+    args: Sequence = (),
+    *,
+    timeout: float = 600.0,
+    collective_timeout: float = 120.0,
+    threads: int = 1,
+    backend: str = "gloo",
+    ranks_per_node: int | None = None,
+    env: dict[str, str] | None = None,
+    grace: float = 5.0,
+) -> None:
+    """Run ``fn(*args)`` on ``nproc`` freshly spawned ranks with torch.distributed initialised.
+
+    ``fn`` must be importable (module level). Each rank gets ``threads`` compute threads,
+    ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` (``ranks_per_node``, default
+    ``nproc``) and a collective timeout of ``collective_timeout`` seconds. Returns when every
+    rank exits 0. Raises :class:`LaunchError` naming the first failing rank (with its
+    traceback) as soon as one fails — the others get ``grace`` seconds, then are killed — or
+    when ``timeout`` seconds pass. No process outlives the call.
+    """
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    local = ranks_per_node or nproc
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="treeattn-") as tmp:
+        store, errdir = os.path.join(tmp, "store"), os.path.join(tmp, "err")
+        os.mkdir(errdir)
+        procs = [
+            ctx.Process(
+                target=_entry,
+                args=(fn, r, nproc, local, store, errdir, threads, backend, collective_timeout, env or {}, tuple(args)),
+                daemon=True,
+            )
+            for r in range(nproc)
+        ]
+        for pr in procs:
+            pr.start()
+        deadline = time.monotonic() + timeout
+        failed: tuple[int, int] | None = None
+        timed_out = False
+        try:
+            while any(pr.exitcode is None for pr in procs):
+                if failed is None:
+                    bad = [(r, pr.exitcode) for r, pr in enumerate(procs) if pr.exitcode not in (None, 0)]
+                    if bad:
+                        failed = bad[0]
+                        deadline = min(deadline, time.monotonic() + grace)
+                if time.monotonic() > deadline:
+                    timed_out = failed is None
+                    break
+                time.sleep(0.05)
+        finally:
+            for pr in procs:
+                if pr.exitcode is None:
+                    pr.kill()
+                pr.join(5)
+        if timed_out:
+            raise LaunchError(f"timed out after {timeout:.0f} s; the ranks still running were killed")
+        if failed is None:
+            bad = [(r, pr.exitcode) for r, pr in enumerate(procs) if pr.exitcode != 0]
+            failed = bad[0] if bad else None
+        if failed is not None:
+            files = sorted(Path(errdir).glob("*.txt"), key=lambda f: int(f.stem))
+            # report the rank whose error is the root cause: the first to write one
+            first = min(files, key=lambda f: f.stat().st_mtime) if files else None
+            r = int(first.stem) if first else failed[0]
+            text = first.read_text() if first else ""
+            how = (
+                f"exit code {procs[r].exitcode}"
+                if first
+                else f"exit code {failed[1]} (killed or crashed, no traceback)"
+            )
+            raise LaunchError(f"rank {r} of {nproc} failed ({how})", rank=r, details=text)

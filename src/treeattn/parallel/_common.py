@@ -1,0 +1,86 @@
+"""Validation shared by tree_decode and ring_decode (one small collective, never a hang)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..comm.validate import agree, float_bits
+from ..ops.attention import check_attention_inputs
+
+_DTYPES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+_DTYPE_NAMES = {c: str(d).removeprefix("torch.") for d, c in _DTYPES.items()}
+_OPS = ("auto", "allreduce3", "allreduce2", "allgather", "hierarchical", "ring")
+
+
+def check_new_tokens(q: Tensor, k: Tensor, v: Tensor, new_k, new_v, new_mask) -> None:
+    if (new_k is None) != (new_v is None):
+        raise ValueError(
+            "new_k and new_v must be given together (got only " + ("new_k)" if new_v is None else "new_v)")
+        )
+    if new_k is None:
+        if new_mask is not None:
+            raise ValueError("new_mask was given without new_k/new_v")
+        return
+    B, Hq, Tq, _ = q.shape
+    for name, t, ref in (("new_k", new_k, k), ("new_v", new_v, v)):
+        want = (B, ref.shape[1], Tq, ref.shape[3])
+        if not isinstance(t, Tensor) or tuple(t.shape) != want:
+            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be [B, Hkv, Tq, D]={want}, got {got}")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name} must match q's dtype/device {q.dtype}/{q.device}, got {t.dtype}/{t.device}")
+    if new_mask is not None:
+        if (
+            not isinstance(new_mask, Tensor)
+            or new_mask.dtype != torch.bool
+            or tuple(new_mask.shape)
+            not in (
+                (Tq, Tq),
+                (B, Tq, Tq),
+            )
+        ):
+            got = (
+                f"{new_mask.dtype} {tuple(new_mask.shape)}" if isinstance(new_mask, Tensor) else type(new_mask).__name__
+            )
+            raise ValueError(f"new_mask must be a bool tensor [Tq, Tq]=({Tq}, {Tq}) or [B, Tq, Tq], got {got}")
+
+
+def validate_decode(
+    q, k, v, kv_lens, new_k, new_v, new_mask, scale, op: str, group: dist.ProcessGroup | None, allowed=_OPS
+) -> None:
+    """Local checks on this rank, then one all-gather so every rank raises the same
+    ``ValueError`` when any rank's input is bad or the ranks disagree on the metadata."""
+    err = None
+    try:
+        if op not in allowed:
+            raise ValueError(f"strategy must be one of {tuple(allowed)}, got {op!r}")
+        check_attention_inputs(q, k, v, kv_lens, scale=scale)
+        check_new_tokens(q, k, v, new_k, new_v, new_mask)
+    except (ValueError, TypeError) as e:
+        err = f"{type(e).__name__}: {e}" if isinstance(e, TypeError) else str(e)
+    ok = err is None
+    fields = {
+        "B": q.shape[0] if ok else -1,
+        "Hq": q.shape[1] if ok else -1,
+        "Hkv": k.shape[1] if ok else -1,
+        "D": q.shape[3] if ok else -1,
+        "Dv": v.shape[3] if ok else -1,
+        "Tq": q.shape[2] if ok else -1,
+        "dtype": _DTYPES.get(q.dtype, 0) if ok else -1,
+        "scale": float_bits(scale) if ok and scale is not None else 0,
+        "strategy": _OPS.index(op) if op in _OPS else -1,
+        "new tokens": int(new_k is not None),
+        "new_mask": -1 if new_mask is None else new_mask.ndim,
+    }
+    show = {"dtype": _DTYPE_NAMES, "scale": "float", "strategy": dict(enumerate(_OPS))}
+    device = q.device if isinstance(q, Tensor) and q.device.type != "cpu" and _nccl(group) else "cpu"
+    agree(fields, err, group=group, show=show, device=device)
+
+
+def _nccl(group) -> bool:
+    try:
+        return dist.get_backend(group) == "nccl"
+    except Exception:
+        return False

@@ -1,0 +1,82 @@
+"""Tree Attention decoding (seed paper, Algorithm 3): local attention, then one reduction."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..comm.strategies import STRATEGIES, reduce_states
+from ..comm.topology import Topology
+from ..ops.attention import _attention
+from ..ops.state import merge_states
+from ._common import validate_decode
+
+
+def new_token_state(q: Tensor, new_k: Tensor, new_v: Tensor, new_mask: Tensor | None, scale) -> tuple[Tensor, Tensor]:
+    """State of the queries over their own tokens (default causal mask), float32."""
+    Tq = q.shape[2]
+    if new_mask is None:
+        new_mask = torch.ones(Tq, Tq, dtype=torch.bool, device=q.device).tril()
+    mask = new_mask if new_mask.ndim == 3 else new_mask.unsqueeze(0)
+    return _attention(q, new_k, new_v, scale=scale, mask=mask, backend="torch", keep_fp32=True)
+
+
+def tree_decode(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    scale: float | None = None,
+    kv_lens: Tensor | None = None,
+    new_k: Tensor | None = None,
+    new_v: Tensor | None = None,
+    new_mask: Tensor | None = None,
+    strategy: str = "auto",
+    return_lse: bool = False,
+    topology: Topology | None = None,
+    check: bool = True,
+    backend: str = "auto",
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Exact attention of ``q`` over a KV cache sharded along the sequence across ``group``.
+
+    Called on every rank of ``group`` (default: the world; without torch.distributed
+    initialised it runs on one process). Each rank attends to its own shard, then the
+    attention states are merged by one reduction whose message is ``B·Hq·Tq·(Dv+1)``
+    floats, independent of the context length.
+
+    Args:
+        q: ``[B, Hq, Tq, D]``, identical on every rank.
+        k, v: ``[B, Hkv, S_local, D]`` / ``[B, Hkv, S_local, Dv]``, this rank's shard (past
+            tokens only; ``S_local`` may differ per rank and may be 0). ``Hq % Hkv == 0``.
+        scale: softmax scale, default ``1/sqrt(D)``; same on every rank.
+        kv_lens: optional integer ``[B]``: valid prefix of each sequence in the local shard.
+        new_k, new_v: optional ``[B, Hkv, Tq, D]`` / ``[B, Hkv, Tq, Dv]``: the query tokens'
+            own keys/values, identical on every rank and in no shard; counted once.
+        new_mask: bool ``[Tq, Tq]`` or ``[B, Tq, Tq]`` (True = query i may attend new token
+            j); default causal. A token tree (SpecInfer) is a tree-shaped mask.
+        strategy: one of ``"auto", "allreduce3", "allreduce2", "allgather", "hierarchical"``
+            (see :mod:`treeattn.comm.strategies`).
+        return_lse: also return the global lse.
+        topology: node layout for ``hierarchical``/``auto`` (default: ``LOCAL_WORLD_SIZE``).
+        check: validate inputs and agree on metadata across ranks first (one small integer
+            all-gather with a host sync). Per-step callers that validated once may pass False.
+        backend: local attention backend (see :func:`treeattn.attention_with_lse`).
+
+    Returns:
+        ``out [B, Hq, Tq, Dv]`` in q's dtype, the same on every rank; with ``return_lse``
+        also ``lse [B, Hq, Tq]`` float32. Rows with no visible key give (0, -inf).
+
+    Raises:
+        ValueError: on *every* rank, when any rank's input is invalid or ranks disagree on
+            B, Hq, Hkv, D, Dv, Tq, dtype, scale, strategy or the presence of new tokens.
+    """
+    if check:
+        validate_decode(q, k, v, kv_lens, new_k, new_v, new_mask, scale, strategy, group, STRATEGIES)
+    out, lse = _attention(q, k, v, scale=scale, kv_lens=kv_lens, backend=backend, keep_fp32=True)
+    out, lse = reduce_states(out, lse, group=group, strategy=strategy, topology=topology)
+    if new_k is not None:
+        out, lse = merge_states(out, lse, *new_token_state(q, new_k, new_v, new_mask, scale))
+    out = out.to(q.dtype)
+    return (out, lse) if return_lse else out
