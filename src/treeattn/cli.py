@@ -47,10 +47,40 @@ def _core_demo(a: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _demo(a: argparse.Namespace) -> int:
+    from .demo import worker
+    from .launch import LaunchError, launch
+
+    try:
+        launch(
+            worker,
+            a.nproc,
+            (a.seq, a.heads, a.kv_heads or a.heads, a.dim, a.dtype, a.reps, a.warmup),
+            threads=a.threads,
+            timeout=a.timeout,
+        )
+    except LaunchError as e:
+        print(f"treeattn demo failed: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="treeattn", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="tree merge of per-chunk attention states over a long KV (single process)")
+    d = sub.add_parser("demo", help="Tree vs Ring decoding over a sharded KV on local ranks (the main demo)")
+    d.add_argument("--nproc", type=int, default=2, help="ranks to launch (default 2)")
+    d.add_argument("--seq", type=int, default=1 << 18, help="total KV length (default 262144)")
+    d.add_argument("--heads", type=int, default=16)
+    d.add_argument("--kv-heads", type=int, default=None, help="default: --heads (MHA)")
+    d.add_argument("--dim", type=int, default=128)
+    d.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    d.add_argument("--reps", type=int, default=10, help="timed steps per method")
+    d.add_argument("--warmup", type=int, default=2)
+    d.add_argument("--threads", type=int, default=1, help="compute threads per rank")
+    d.add_argument("--timeout", type=float, default=1800.0)
+    d.set_defaults(func=_demo)
+    d = sub.add_parser("merge-demo", help="tree merge of per-chunk attention states over a long KV (single process)")
     d.add_argument("--seq", type=int, default=1 << 20, help="total KV length (default 1M)")
     d.add_argument("--nproc", type=int, default=8, help="number of chunks p")
     d.add_argument("--heads", type=int, default=8)

@@ -8,6 +8,9 @@ from torch import Tensor
 
 from . import meter
 
+# torch >= 2.12 renames all_gather_into_tensor (and warns on the old name)
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def world(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """(rank in group, group size); (0, 1) when torch.distributed is not initialised."""
@@ -35,7 +38,7 @@ def all_gather(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     out = torch.empty(p * t.numel(), dtype=t.dtype, device=t.device)
     n = t.numel() * t.element_size()
     meter.record("all_gather", (p - 1) * n, (p - 1) * n)
-    dist.all_gather_into_tensor(out, t.reshape(-1).contiguous(), group=group)
+    _all_gather_flat(out, t.reshape(-1).contiguous(), group=group)
     return out.view(p, *t.shape)
 
 
