@@ -1,12 +1,14 @@
-"""Ring Attention decoding: the baseline the seed paper compares against.
+"""Ring Attention: every rank's K/V block travels around the ring by send/recv.
 
-Every rank's K/V shard travels around the ring by point-to-point send/recv; each hop's
-transfer overlaps attention over the shard received in the previous hop (double
-buffering); states merge online in float32. p - 1 hops move ``(p-1)·S_local`` tokens of K/V
-per rank per step, so traffic grows with the context — unlike :func:`tree_decode`.
+Each hop's transfer overlaps attention over the block received in the previous hop
+(double buffering) and states merge online in float32. For decoding, p - 1 hops move
+``(p-1)·S_local`` tokens of K/V per rank per step, so traffic grows with the context —
+unlike :func:`treeattn.tree_decode`. The same ring pass serves causal prefill.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -17,6 +19,36 @@ from ..ops.attention import _attention
 from ..ops.state import merge_states
 from ._common import validate_decode
 from .tree import new_token_state
+
+
+def ring_pass(k: Tensor, v: Tensor, sizes: list[int], group, visit: Callable[[int, Tensor, Tensor], None]) -> None:
+    """Call ``visit(src, k_src, v_src)`` for every rank's block (own first), moving blocks
+    one hop per step as one packed message; ``sizes[j]`` is rank j's block length (dim 2).
+    The transfer of hop h overlaps ``visit`` of the block received at hop h - 1."""
+    rank, p = world(group)
+    visit(rank, k, v)
+    if p == 1:
+        return
+    B, H, S, D = k.shape
+    Dv = v.shape[3]
+
+    def unpack(buf: Tensor, s: int) -> tuple[Tensor, Tensor]:
+        n = B * H * s
+        return buf[: n * D].view(B, H, s, D), buf[n * D : n * (D + Dv)].view(B, H, s, Dv)
+
+    cur = torch.cat([k.reshape(-1), v.reshape(-1)]) if S else k.new_empty(1)
+    for hop in range(1, p):
+        src = (rank - hop) % p
+        nxt = k.new_empty(max(1, B * H * sizes[src] * (D + Dv)))
+        reqs = sendrecv(cur, (rank + 1) % p, nxt, (rank - 1) % p, group)
+        if hop > 1:
+            prev = (src + 1) % p
+            visit(prev, *unpack(cur, sizes[prev]))
+        for r in reqs:
+            r.wait()
+        cur = nxt
+    last = (rank + 1) % p
+    visit(last, *unpack(cur, sizes[last]))
 
 
 def ring_decode(
@@ -39,47 +71,26 @@ def ring_decode(
     and ``kv_lens`` (a host sync: receive buffers are sized from it)."""
     if check:
         validate_decode(q, k, v, kv_lens, new_k, new_v, new_mask, scale, "ring", group, ("ring",))
-    rank, p = world(group)
-    out, lse = _attention(q, k, v, scale=scale, kv_lens=kv_lens, backend=backend, keep_fp32=True)
-    if p > 1:
-        out, lse = _ring(q, k, v, kv_lens, scale, backend, out, lse, rank, p, group)
+    _, p = world(group)
+    B, S = k.shape[0], k.shape[2]
+    lens = kv_lens if kv_lens is not None else torch.full((B,), S, device=q.device)
+    info = all_gather(torch.cat([lens.new_tensor([S]), lens]).to(torch.int64), group).cpu() if p > 1 else None
+    state: list[Tensor] = []
+
+    def visit(src: int, kb: Tensor, vb: Tensor) -> None:
+        if kb.shape[2] == 0 and state:
+            return
+        if info is None:
+            lb = kv_lens
+        else:
+            lb = info[src, 1:]
+            lb = None if bool((lb == kb.shape[2]).all()) else lb.to(q.device)  # info is on the host
+        o, l = _attention(q, kb, vb, scale=scale, kv_lens=lb, backend=backend, keep_fp32=True)
+        state[:] = merge_states(*state, o, l) if state else (o, l)
+
+    ring_pass(k, v, info[:, 0].tolist() if info is not None else [S], group, visit)
+    out, lse = state
     if new_k is not None:
         out, lse = merge_states(out, lse, *new_token_state(q, new_k, new_v, new_mask, scale))
     out = out.to(q.dtype)
     return (out, lse) if return_lse else out
-
-
-def _ring(q, k, v, kv_lens, scale, backend, out, lse, rank, p, group):
-    B, Hkv, S, D = k.shape
-    Dv = v.shape[3]
-    lens = kv_lens if kv_lens is not None else torch.full((B,), S, device=q.device)
-    info = all_gather(torch.cat([lens.new_tensor([S]), lens]).to(torch.int64), group).cpu()
-    sizes = info[:, 0].tolist()
-    nk, nv = B * Hkv * D, B * Hkv * Dv  # elements per token
-    shape = (B, Hkv, D, Dv)
-    cur = torch.cat([k.reshape(-1), v.reshape(-1)]) if S else k.new_empty(1)  # one packed message
-    for hop in range(1, p):
-        src = (rank - hop) % p
-        nxt = k.new_empty(max(1, sizes[src] * (nk + nv)))
-        reqs = sendrecv(cur, (rank + 1) % p, nxt, (rank - 1) % p, group)
-        if hop > 1:  # attend to the shard received last hop while this one is in flight
-            prev = (src + 1) % p
-            out, lse = _merge_shard(q, cur, sizes[prev], info[prev, 1:], shape, out, lse, scale, backend)
-        for r in reqs:
-            r.wait()
-        cur = nxt
-    last = (rank + 1) % p
-    return _merge_shard(q, cur, sizes[last], info[last, 1:], shape, out, lse, scale, backend)
-
-
-def _merge_shard(q, buf, s, lens, shape, out, lse, scale, backend):
-    """Attend to the shard packed in ``buf`` (``s`` tokens) and merge it into (out, lse)."""
-    if s == 0:
-        return out, lse
-    B, Hkv, D, Dv = shape
-    n = B * Hkv * s
-    kk = buf[: n * D].view(B, Hkv, s, D)
-    vv = buf[n * D : n * (D + Dv)].view(B, Hkv, s, Dv)
-    lens = None if bool((lens == s).all()) else lens.to(q.device)  # lens is on the host
-    o, l = _attention(q, kk, vv, scale=scale, kv_lens=lens, backend=backend, keep_fp32=True)
-    return merge_states(out, lse, o, l)

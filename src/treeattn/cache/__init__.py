@@ -1,0 +1,6 @@
+"""Sequence-sharded KV cache: placement of tokens on ranks, local buffers, global positions."""
+
+from .placement import PLACEMENTS, Placement
+from .sharded import ShardedKVCache
+
+__all__ = ["PLACEMENTS", "Placement", "ShardedKVCache"]

@@ -1,0 +1,54 @@
+"""Where each token of each sequence lives.
+
+``contiguous``: a prompt of padded length L is split into p contiguous chunks (the first
+``L % p`` ranks hold one more token); each decoded token goes to the rank holding the
+fewest valid tokens of that sequence (lowest rank on ties).
+
+``interleaved``: token ``i`` (prompt or decoded) lives on rank ``(i // block) % p``
+(``block = 1`` is striped attention's layout). Every rank holds a similar share of early
+and late positions, which balances causal prefill.
+
+Either way the valid tokens of a sequence differ by at most one block between ranks for an
+unpadded prompt, and a decoded token never moves that gap beyond a block. All metadata
+is plain host-side integers computed from prompt lengths: no device sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PLACEMENTS: tuple[str, ...] = ("contiguous", "interleaved")
+
+
+@dataclass(frozen=True)
+class Placement:
+    kind: str
+    p: int
+    block: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.kind!r}")
+        if self.p < 1 or self.block < 1:
+            raise ValueError(f"need p >= 1 and block >= 1, got p={self.p}, block={self.block}")
+
+    def prompt_positions(self, rank: int, L: int) -> torch.Tensor:
+        """Increasing int64 positions in ``[0, L)`` held by ``rank`` after prefill."""
+        if self.kind == "contiguous":
+            sizes = [L // self.p + (r < L % self.p) for r in range(self.p)]
+            start = sum(sizes[:rank])
+            return torch.arange(start, start + sizes[rank])
+        i = torch.arange(L)
+        return i[(i // self.block) % self.p == rank]
+
+    def prompt_counts(self, lens: torch.Tensor, L: int) -> torch.Tensor:
+        """``[B, p]`` valid tokens per rank of prompts of lengths ``lens`` padded to ``L``."""
+        return torch.stack([(self.prompt_positions(r, L)[None, :] < lens[:, None]).sum(1) for r in range(self.p)], 1)
+
+    def decode_owner(self, pos: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Owner rank ``[B]`` of the tokens at positions ``pos [B]`` given ``counts [B, p]``."""
+        if self.kind == "interleaved":
+            return (pos // self.block) % self.p
+        return counts.argmin(1)  # first minimum: lowest rank on ties

@@ -1,0 +1,7 @@
+"""transformers integration (extra ``[hf]``): the ``"treeattn"`` attention implementation,
+a Cache over :class:`treeattn.ShardedKVCache`, and :func:`generate` across ranks."""
+
+from .attention import ATTN_NAME, StepContext, TreeAttnCache, treeattn_attention
+from .generate import generate
+
+__all__ = ["ATTN_NAME", "StepContext", "TreeAttnCache", "generate", "treeattn_attention"]

@@ -1,0 +1,115 @@
+"""The ``treeattn`` attention implementation and a transformers Cache over ShardedKVCache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..cache import ShardedKVCache
+from ..parallel import ring_decode, ring_prefill, tree_decode
+
+ATTN_NAME = "treeattn"
+
+
+@dataclass
+class StepContext:
+    """What the attention function needs for one forward pass (passed as the model kwarg
+    ``treeattn_ctx``, which transformers forwards to the attention function)."""
+
+    cache: ShardedKVCache
+    mode: str  # "prefill" | "decode"
+    attention: str = "tree"  # "tree" | "ring"
+    strategy: str = "auto"
+    group: dist.ProcessGroup | None = None
+    positions: list[Tensor] = field(default_factory=list)  # prefill: every rank's token positions
+    n_real: int = 0  # prefill: real tokens of this rank (the rest is a placeholder)
+    kv_lens: Tensor | None = None  # decode: local valid lengths on the device
+
+
+class _Layer(CacheLayerMixin):
+    is_sliding = False
+
+    def __init__(self, owner: TreeAttnCache, idx: int) -> None:
+        super().__init__()
+        self.owner, self.idx = owner, idx
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        pass
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        ctx = self.owner.ctx
+        if ctx is None:
+            raise RuntimeError("TreeAttnCache is driven by treeattn.hf.generate (no step context set)")
+        if ctx.mode == "prefill":
+            n = ctx.n_real
+            self.owner.sharded.store_prefill(self.idx, key_states[:, :, :n], value_states[:, :, :n])
+        else:
+            self.owner.sharded.store_decode(self.idx, key_states, value_states)
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        s = self.owner.sharded.seq_lens
+        return int(s.max()) if len(s) else 0  # host metadata: global length, not the shard's
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class TreeAttnCache(Cache):
+    """A transformers ``Cache`` whose layers store into a :class:`ShardedKVCache`. It reports
+    the *global* sequence length (the longest sequence of the batch), so positions and RoPE
+    stay right even though this rank holds only a shard."""
+
+    def __init__(self, sharded: ShardedKVCache) -> None:
+        self.sharded = sharded
+        self.ctx: StepContext | None = None
+        super().__init__(layers=[_Layer(self, i) for i in range(sharded.num_layers)])
+
+
+def treeattn_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """transformers attention function: ring prefill, then Tree (or Ring) decoding over the
+    sharded cache. ``query [B, Hq, T, D]``; returns ``[B, T, Hq, D]``."""
+    ctx: StepContext | None = kwargs.get("treeattn_ctx")
+    if ctx is None:
+        raise RuntimeError("the 'treeattn' attention implementation runs inside treeattn.hf.generate")
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError("treeattn does not support sliding-window attention layers")
+    if kwargs.get("softcap") is not None:
+        raise ValueError("treeattn does not support attention logit softcapping")
+    if ctx.mode == "prefill":
+        n = ctx.n_real
+        out = ring_prefill(
+            query[:, :, :n], key[:, :, :n], value[:, :, :n], ctx.positions, group=ctx.group, scale=scaling
+        )
+        if n < query.shape[2]:  # placeholder token of a rank that holds no prompt token
+            out = torch.cat([out, out.new_zeros(*out.shape[:2], query.shape[2] - n, out.shape[3])], 2)
+    else:
+        k, v, _ = ctx.cache.local(module.layer_idx)
+        if ctx.attention == "ring":
+            out = ring_decode(query, k, v, kv_lens=ctx.kv_lens, group=ctx.group, scale=scaling, check=False)
+        else:
+            out = tree_decode(
+                query, k, v, kv_lens=ctx.kv_lens, group=ctx.group, scale=scaling, strategy=ctx.strategy, check=False
+            )
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTN_NAME, treeattn_attention)
