@@ -12,7 +12,7 @@ STAMP := $(VENV)/.treeattn-installed
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,hf,bench]"
 	touch $(STAMP)
 
 demo: $(STAMP)

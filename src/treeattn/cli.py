@@ -80,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--threads", type=int, default=1, help="compute threads per rank")
     d.add_argument("--timeout", type=float, default=1800.0)
     d.set_defaults(func=_demo)
+    try:
+        from .hf.cli import add_parser
+    except ImportError:  # transformers not installed: extra [hf]
+        g = sub.add_parser("generate", help="(needs: pip install 'treeattn[hf]')")
+        g.set_defaults(func=lambda a: print("treeattn generate needs transformers: pip install 'treeattn[hf]'") or 1)
+    else:
+        add_parser(sub)
     d = sub.add_parser("merge-demo", help="tree merge of per-chunk attention states over a long KV (single process)")
     d.add_argument("--seq", type=int, default=1 << 20, help="total KV length (default 1M)")
     d.add_argument("--nproc", type=int, default=8, help="number of chunks p")

@@ -73,7 +73,7 @@ def generate(
     typical_p: float | None = None,
     eta_cutoff: float | None = None,
     seed: int = 0,
-    timings: dict | None = None,
+    info: dict | None = None,
     progress: bool = False,
 ) -> Tensor:
     """Generate ``max_new_tokens`` tokens per sequence; call on every rank with the same arguments.
@@ -94,8 +94,9 @@ def generate(
         do_sample, temperature, top_k, top_p, typical_p, eta_cutoff: sampling through
             transformers' own logits warpers; one generator seeded with ``seed`` on every
             rank, so every rank draws the same token.
-        timings: if a dict, receives ``ttft`` (s, prefill + first token) and ``decode``
-            (list of s per later token), measured on this rank.
+        info: if a dict, receives ``ttft`` (s, prefill + first token), ``decode`` (list of s
+            per later token), measured on this rank, ``cache_bytes`` and ``last_logits``
+            (``[B, V]`` float32 logits of the last step).
         progress: a progress bar on rank 0.
 
     Returns:
@@ -180,7 +181,8 @@ def generate(
         last = torch.zeros(B, hidden.shape[-1], dtype=torch.float32, device=device)
         last[rows.to(device)] = hidden[rows.to(device), cols.to(device)].float()
         last = all_reduce(last, dist.ReduceOp.SUM, group).to(hidden.dtype)
-        tok = pick(head(last).float())
+        logits = head(last).float()
+        tok = pick(logits)
         out[:, 0] = tok
         t1 = time.perf_counter()
         steps = []
@@ -200,13 +202,14 @@ def generate(
                 use_cache=True,
                 treeattn_ctx=ctx,
             ).last_hidden_state
-            tok = pick(head(hidden[:, -1]).float())
+            logits = head(hidden[:, -1]).float()
+            tok = pick(logits)
             out[:, t] = tok
             steps.append(time.perf_counter() - ts)
             if bar:
                 bar.update(1)
-        if timings is not None:
-            timings.update(ttft=t1 - t0, decode=steps, cache_bytes=sharded.memory_bytes())
+        if info is not None:
+            info.update(ttft=t1 - t0, decode=steps, cache_bytes=sharded.memory_bytes(), last_logits=logits)
     finally:
         cache.ctx = None
         model.set_attn_implementation(prev_impl)
