@@ -1,0 +1,101 @@
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from treeattn.cache import Placement, ShardedKVCache
+from treeattn.launch import launch
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    kind=st.sampled_from(["contiguous", "interleaved"]),
+    p=st.integers(1, 6),
+    block=st.integers(1, 5),
+    L=st.integers(0, 60),
+    steps=st.integers(0, 40),
+)
+def test_placement_partitions_and_stays_balanced(kind, p, block, L, steps):
+    pl = Placement(kind, p, block)
+    pos = [pl.prompt_positions(r, L) for r in range(p)]
+    allpos = torch.cat(pos)
+    assert torch.equal(allpos.sort().values, torch.arange(L))  # a partition of 0..L-1
+    assert all(bool((x[1:] > x[:-1]).all()) for x in pos)  # increasing on every rank
+    counts = pl.prompt_counts(torch.tensor([L]), L)
+    assert counts.tolist() == [[len(x) for x in pos]]
+    gap = block if kind == "interleaved" else 1
+    assert int(counts.max() - counts.min()) <= gap
+    for _ in range(steps):  # decoded tokens keep the gap within one block
+        owner = pl.decode_owner(counts.sum(1), counts)
+        counts[0, owner[0]] += 1
+        assert int(counts.max() - counts.min()) <= max(gap, block)
+
+
+def test_placement_errors():
+    with pytest.raises(ValueError, match="placement must be one of"):
+        Placement("zigzag", 2)
+    with pytest.raises(ValueError, match="block >= 1"):
+        Placement("interleaved", 2, 0)
+
+
+def cache_worker(kind: str, block: int):
+    """Store tokens whose K encodes (sequence, position) and check every step that each
+    rank's valid slots hold exactly its tokens, with correct global positions."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    B, H, D, L = 3, 2, 4, 11
+    lens = torch.tensor([11, 4, 1])  # right-padded batch
+    c = ShardedKVCache(2, B, H, D, placement=kind, block=block, capacity=2)
+    mine = c.begin_prefill(lens, L)
+
+    def kv(b_idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:  # [B, H, n, D] encoding (b, pos)
+        val = b_idx.view(-1, 1) * 1000 + pos.view(1, -1)
+        return val.view(len(b_idx), 1, -1, 1).expand(-1, H, -1, D).float()
+
+    for layer in range(2):
+        c.store_prefill(layer, kv(torch.arange(B), mine), -kv(torch.arange(B), mine))
+    for step in range(25):
+        seq = c.seq_lens
+        gathered = [torch.empty(B, dtype=torch.int64) for _ in range(p)]
+        dist.all_gather(gathered, c.kv_lens.clone())
+        assert torch.equal(torch.stack(gathered, 1), c.counts), "counts replicated on every rank"
+        assert torch.equal(c.counts.sum(1), seq)
+        assert int((c.counts[0].max() - c.counts[0].min())) <= block  # the unpadded sequence stays balanced
+        for layer in range(2):
+            k, v, kl = c.local(layer)
+            for b in range(B):
+                n = int(kl[b])
+                pos = c.positions[b, :n]
+                assert torch.equal(k[b, 0, :n, 0], (b * 1000 + pos).float()) and torch.equal(v[b, 0, :n, 0], -k[b, 0, :n, 0])
+                assert bool((pos[1:] > pos[:-1]).all()) and bool((pos < seq[b]).all())
+        # every position 0..len-1 is held exactly once across the ranks
+        for b in range(B):
+            n = int(c.kv_lens[b])
+            held = torch.zeros(int(seq[b]), dtype=torch.int64)
+            held[c.positions[b, :n]] = 1
+            dist.all_reduce(held)
+            assert bool((held == 1).all()), f"step {step} seq {b}: {held.tolist()}"
+        owner = c.begin_decode_step()
+        for layer in range(2):
+            new = kv(torch.arange(B), torch.zeros(1, dtype=torch.int64)) + seq.view(B, 1, 1, 1).float()
+            c.store_decode(layer, new, -new)
+        assert owner.shape == (B,)
+    mem = c.memory_bytes()
+    assert mem["used"] <= mem["allocated"] and c.cap < 2 * max(c.used, 16) + 1  # geometric, not per-step
+
+
+@pytest.mark.parametrize("kind,block", [("interleaved", 1), ("interleaved", 3), ("contiguous", 1)])
+def test_sharded_cache_contents_positions_balance(kind, block):
+    launch(cache_worker, 3, (kind, block), timeout=120)
+
+
+def mismatch_worker():
+    rank = dist.get_rank()
+    with pytest.raises(ValueError, match="ranks disagree on kv_heads"):
+        ShardedKVCache(2, 1, 4 if rank else 2, 8)
+    with pytest.raises(ValueError, match="placement must be one of"):
+        ShardedKVCache(2, 1, 2, 8, placement="zigzag" if rank == 1 else "interleaved")
+
+
+def test_sharded_cache_validates_once_across_ranks():
+    launch(mismatch_worker, 2, timeout=60)
