@@ -49,13 +49,13 @@ def _entry(fn, rank, nproc, local_size, store, errdir, threads, backend, coll_ti
             world_size=nproc,
             timeout=datetime.timedelta(seconds=coll_timeout),
         )
-        try:
-            fn(*args)
-        finally:
-            dist.destroy_process_group()
+        fn(*args)
     except BaseException:
-        Path(errdir, f"{rank}.txt").write_text(traceback.format_exc())
+        # written before the group is torn down (by exiting), so the root cause's file is
+        # older than the "connection closed" errors it causes on the peers
+        Path(errdir, f"{rank}.txt").write_text(f"{time.monotonic_ns()}\n{traceback.format_exc()}")
         raise SystemExit(1) from None
+    dist.destroy_process_group()
 
 
 def launch(
@@ -122,14 +122,13 @@ def launch(
             bad = [(r, pr.exitcode) for r, pr in enumerate(procs) if pr.exitcode != 0]
             failed = bad[0] if bad else None
         if failed is not None:
-            files = sorted(Path(errdir).glob("*.txt"), key=lambda f: int(f.stem))
-            # report the rank whose error is the root cause: the first to write one
-            first = min(files, key=lambda f: f.stat().st_mtime) if files else None
-            r = int(first.stem) if first else failed[0]
-            text = first.read_text() if first else ""
-            how = (
-                f"exit code {procs[r].exitcode}"
-                if first
-                else f"exit code {failed[1]} (killed or crashed, no traceback)"
-            )
+            errs = {int(f.stem): f.read_text().split("\n", 1) for f in Path(errdir).glob("*.txt")}
+            if failed[0] not in errs:  # the first rank to die left no traceback: killed or crashed
+                r, how, text = failed[0], f"exit code {failed[1]}, killed or crashed without a traceback", ""
+                if errs:
+                    o = min(errs, key=lambda x: int(errs[x][0]))
+                    text = f"(then rank {o} failed with:)\n{errs[o][1]}"
+            else:  # the root cause wrote its traceback first
+                r = min(errs, key=lambda x: int(errs[x][0]))
+                how, text = f"exit code {procs[r].exitcode}", errs[r][1]
             raise LaunchError(f"rank {r} of {nproc} failed ({how})", rank=r, details=text)

@@ -42,7 +42,7 @@ def test_placement_errors():
 def cache_worker(kind: str, block: int):
     """Store tokens whose K encodes (sequence, position) and check every step that each
     rank's valid slots hold exactly its tokens, with correct global positions."""
-    rank, p = dist.get_rank(), dist.get_world_size()
+    p = dist.get_world_size()
     B, H, D, L = 3, 2, 4, 11
     lens = torch.tensor([11, 4, 1])  # right-padded batch
     c = ShardedKVCache(2, B, H, D, placement=kind, block=block, capacity=2)
@@ -60,13 +60,15 @@ def cache_worker(kind: str, block: int):
         dist.all_gather(gathered, c.kv_lens.clone())
         assert torch.equal(torch.stack(gathered, 1), c.counts), "counts replicated on every rank"
         assert torch.equal(c.counts.sum(1), seq)
-        assert int((c.counts[0].max() - c.counts[0].min())) <= block  # the unpadded sequence stays balanced
+        assert int(c.counts[0].max() - c.counts[0].min()) <= block  # the unpadded sequence stays balanced
         for layer in range(2):
             k, v, kl = c.local(layer)
             for b in range(B):
                 n = int(kl[b])
                 pos = c.positions[b, :n]
-                assert torch.equal(k[b, 0, :n, 0], (b * 1000 + pos).float()) and torch.equal(v[b, 0, :n, 0], -k[b, 0, :n, 0])
+                assert torch.equal(k[b, 0, :n, 0], (b * 1000 + pos).float()) and torch.equal(
+                    v[b, 0, :n, 0], -k[b, 0, :n, 0]
+                )
                 assert bool((pos[1:] > pos[:-1]).all()) and bool((pos < seq[b]).all())
         # every position 0..len-1 is held exactly once across the ranks
         for b in range(B):

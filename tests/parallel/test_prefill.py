@@ -1,8 +1,8 @@
 import pytest
 import torch
 import torch.distributed as dist
-from reference import max_err, naive_attention, reference
 
+from reference import max_err, naive_attention, reference
 from treeattn.cache import Placement
 from treeattn.launch import launch
 

@@ -48,7 +48,18 @@ def check_new_tokens(q: Tensor, k: Tensor, v: Tensor, new_k, new_v, new_mask) ->
 
 
 def validate_decode(
-    q, k, v, kv_lens, new_k, new_v, new_mask, scale, op: str, group: dist.ProcessGroup | None, allowed=_OPS
+    q,
+    k,
+    v,
+    kv_lens,
+    new_k,
+    new_v,
+    new_mask,
+    scale,
+    op: str,
+    group: dist.ProcessGroup | None,
+    allowed=_OPS,
+    ranks_per_node: int = 0,
 ) -> None:
     """Local checks on this rank, then one all-gather so every rank raises the same
     ``ValueError`` when any rank's input is bad or the ranks disagree on the metadata."""
@@ -72,7 +83,8 @@ def validate_decode(
         "scale": float_bits(scale) if ok and scale is not None else 0,
         "strategy": _OPS.index(op) if op in _OPS else -1,
         "new tokens": int(new_k is not None),
-        "new_mask": -1 if new_mask is None else new_mask.ndim,
+        "new_mask": -1 if new_mask is None or not isinstance(new_mask, Tensor) else new_mask.ndim,
+        "ranks_per_node": ranks_per_node,
     }
     show = {"dtype": _DTYPE_NAMES, "scale": "float", "strategy": dict(enumerate(_OPS))}
     device = q.device if isinstance(q, Tensor) and q.device.type != "cpu" and _nccl(group) else "cpu"

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..comm.collectives import all_gather, sendrecv, world
 from ..ops.attention import _attention
-from ..ops.state import merge_states
+from ..ops.state import merge_states, merge_states_n
 from ._common import validate_decode
 from .tree import new_token_state
 
@@ -68,28 +68,29 @@ def ring_decode(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Same contract as :func:`treeattn.tree_decode` (minus ``strategy``/``topology``), computed
     by Ring Attention. Before the ring, one small all-gather shares every shard's length
-    and ``kv_lens`` (a host sync: receive buffers are sized from it)."""
+    and ``kv_lens`` (a host sync: receive buffers are sized from it). The p partial states
+    are merged in rank order, so the result is bitwise identical on every rank."""
     if check:
         validate_decode(q, k, v, kv_lens, new_k, new_v, new_mask, scale, "ring", group, ("ring",))
     _, p = world(group)
     B, S = k.shape[0], k.shape[2]
     lens = kv_lens if kv_lens is not None else torch.full((B,), S, device=q.device)
     info = all_gather(torch.cat([lens.new_tensor([S]), lens]).to(torch.int64), group).cpu() if p > 1 else None
-    state: list[Tensor] = []
+    states: dict[int, tuple[Tensor, Tensor]] = {}
 
     def visit(src: int, kb: Tensor, vb: Tensor) -> None:
-        if kb.shape[2] == 0 and state:
-            return
         if info is None:
             lb = kv_lens
         else:
             lb = info[src, 1:]
             lb = None if bool((lb == kb.shape[2]).all()) else lb.to(q.device)  # info is on the host
-        o, l = _attention(q, kb, vb, scale=scale, kv_lens=lb, backend=backend, keep_fp32=True)
-        state[:] = merge_states(*state, o, l) if state else (o, l)
+        states[src] = _attention(q, kb, vb, scale=scale, kv_lens=lb, backend=backend, keep_fp32=True)
 
     ring_pass(k, v, info[:, 0].tolist() if info is not None else [S], group, visit)
-    out, lse = state
+    # merge in rank order, not arrival order: the result is bitwise identical on every rank
+    out, lse = merge_states_n(
+        torch.stack([states[r][0] for r in sorted(states)]), torch.stack([states[r][1] for r in sorted(states)])
+    )
     if new_k is not None:
         out, lse = merge_states(out, lse, *new_token_state(q, new_k, new_v, new_mask, scale))
     out = out.to(q.dtype)

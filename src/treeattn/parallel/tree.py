@@ -70,10 +70,13 @@ def tree_decode(
 
     Raises:
         ValueError: on *every* rank, when any rank's input is invalid or ranks disagree on
-            B, Hq, Hkv, D, Dv, Tq, dtype, scale, strategy or the presence of new tokens.
+            B, Hq, Hkv, D, Dv, Tq, dtype, scale, strategy, the presence of new tokens, the
+            shape of ``new_mask`` (or its absence) or the topology's ranks per node.
     """
     if check:
-        validate_decode(q, k, v, kv_lens, new_k, new_v, new_mask, scale, strategy, group, STRATEGIES)
+        topo = topology if topology is not None else Topology.from_env()
+        rpn = topo.ranks_per_node if topo is not None else 0
+        validate_decode(q, k, v, kv_lens, new_k, new_v, new_mask, scale, strategy, group, STRATEGIES, rpn)
     out, lse = _attention(q, k, v, scale=scale, kv_lens=kv_lens, backend=backend, keep_fp32=True)
     out, lse = reduce_states(out, lse, group=group, strategy=strategy, topology=topology)
     if new_k is not None:

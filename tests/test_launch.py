@@ -1,0 +1,129 @@
+"""treeattn.launch: a failing, dying or hanging rank gives LaunchError quickly, and no
+process outlives the call."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from treeattn.launch import LaunchError, launch
+
+P = 3
+
+
+def _children() -> set[int]:
+    """Pids of the live direct children of this process."""
+    me, kids = os.getpid(), set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+            if int(ppid) == me and state != "Z":
+                kids.add(int(d.name))
+    return kids
+
+
+def _is_tracker(pid: int) -> bool:
+    """multiprocessing's resource tracker: a long-lived helper, not a rank."""
+    try:
+        return b"resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def watch_children():
+    """Record every child process seen (polled every 50 ms) while the block runs, then
+    check that none of them is left: launch() must leave no process behind."""
+    before, seen, stop = _children(), set(), threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            seen.update(_children() - before)
+            time.sleep(0.05)
+
+    t = threading.Thread(target=poll, daemon=True)
+    t.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        t.join()
+    seen -= {pid for pid in seen if _is_tracker(pid)}
+    assert len(seen) >= P, f"saw only {len(seen)} rank processes"
+    assert multiprocessing.active_children() == []
+    now = _children()
+    left = {pid for pid in (seen | now) - before if pid in now and not _is_tracker(pid)}
+    assert not left, f"processes outlived launch(): {left}"
+
+
+def raise_on_rank_1() -> None:
+    if dist.get_rank() == 1:
+        raise RuntimeError("deliberate failure on rank one: 7f3a")
+    time.sleep(60)  # the others are still busy; launch() must not wait for them
+
+
+def raise_while_peers_in_collective() -> None:
+    if dist.get_rank() == 1:
+        time.sleep(0.5)  # the others are inside the all_reduce by now
+        raise RuntimeError("root cause on rank one: 91c2")
+    dist.all_reduce(torch.ones(8))  # fails with a gloo error once rank 1 is gone
+
+
+def exit_mid_collective() -> None:
+    dist.barrier()
+    if dist.get_rank() == 0:
+        time.sleep(0.5)  # the others are inside the all_reduce by now
+        os._exit(3)
+    dist.all_reduce(torch.ones(8))
+
+
+def sleep_forever() -> None:
+    time.sleep(3600)
+
+
+def test_rank_exception_is_reported():
+    t0 = time.monotonic()
+    with watch_children(), pytest.raises(LaunchError) as ei:
+        launch(raise_on_rank_1, P, timeout=120, grace=2)
+    assert time.monotonic() - t0 < 30
+    assert ei.value.rank == 1
+    assert "deliberate failure on rank one: 7f3a" in str(ei.value)
+    assert "RuntimeError" in ei.value.details
+
+
+def test_root_cause_named_when_peers_fail_in_a_collective():
+    t0 = time.monotonic()
+    with watch_children(), pytest.raises(LaunchError) as ei:
+        launch(raise_while_peers_in_collective, P, timeout=120, collective_timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert ei.value.rank == 1 and "root cause on rank one: 91c2" in str(ei.value)
+
+
+def test_rank_dies_mid_collective():
+    t0 = time.monotonic()
+    with watch_children(), pytest.raises(LaunchError) as ei:
+        launch(exit_mid_collective, P, timeout=120, collective_timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert ei.value.rank == 0 and "exit code 3" in str(ei.value)
+
+
+def test_timeout():
+    t0 = time.monotonic()
+    with watch_children(), pytest.raises(LaunchError) as ei:
+        launch(sleep_forever, P, timeout=5)
+    took = time.monotonic() - t0
+    assert 5 <= took < 30, took
+    assert ei.value.rank is None
+    assert "timed out" in str(ei.value)
