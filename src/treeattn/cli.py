@@ -87,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
         g.set_defaults(func=lambda a: print("treeattn generate needs transformers: pip install 'treeattn[hf]'") or 1)
     else:
         add_parser(sub)
+    from .bench.cli import add_parser as add_bench
+    from .bench.simulate import add_parser as add_simulate
+
+    add_bench(sub)
+    add_simulate(sub)
     d = sub.add_parser("merge-demo", help="tree merge of per-chunk attention states over a long KV (single process)")
     d.add_argument("--seq", type=int, default=1 << 20, help="total KV length (default 1M)")
     d.add_argument("--nproc", type=int, default=8, help="number of chunks p")

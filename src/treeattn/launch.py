@@ -9,6 +9,7 @@ writes its traceback as text, which the launcher reads and reports.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import tempfile
@@ -37,6 +38,7 @@ def _entry(fn, rank, nproc, local_size, store, errdir, threads, backend, coll_ti
     )
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ["OMP_NUM_THREADS"] = str(threads)
+    faulthandler.enable()  # a crash in native code still prints this rank's Python stack
     try:
         import torch
         import torch.distributed as dist

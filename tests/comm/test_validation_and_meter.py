@@ -81,8 +81,8 @@ def meter_worker() -> None:
     for strategy in expect:
         assert sent_by_S[8, strategy] == sent_by_S[128, strategy], strategy
 
-    # ring_decode: one small all-gather of (S_local, kv_lens), then p-1 hops of a packed
-    # K/V shard; equal shards, so every hop carries S * B * Hkv * (D + Dv) elements
+    # ring_decode: one small all-gather of (S_local, kv_lens), then p-1 hops of a K/V shard
+    # (K and V as two messages); equal shards, so every hop carries S * B * Hkv * (D + Dv) elements
     for dtype in (torch.float32, torch.bfloat16):
         kv = {}
         for S in (8, 128):
@@ -90,7 +90,9 @@ def meter_worker() -> None:
             with metering() as m:
                 treeattn.ring_decode(**data, kv_lens=torch.full((B,), S - 1), check=False)
             what = f"rank {rank} ring {dtype} S={S}"
-            assert dict(m.calls) == {"all_gather": 1, "send": p - 1, "recv": p - 1}, f"{what}: {dict(m.calls)}"
+            assert dict(m.calls) == {"all_gather": 1, "send": 2 * (p - 1), "recv": 2 * (p - 1)}, (
+                f"{what}: {dict(m.calls)}"
+            )
             assert m.collectives == 1, what
             info = (p - 1) * (B + 1) * 8
             shard = S * B * Hkv * (D + Dv) * dtype.itemsize

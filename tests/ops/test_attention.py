@@ -169,3 +169,25 @@ def test_non_tensor_is_type_error():
     q, k, v = make(1, 2, 2, 1, 4, 8)
     with pytest.raises(TypeError, match="k must be a torch.Tensor"):
         attention_with_lse(q, k.tolist(), v)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), -float("inf")])
+def test_masked_keys_are_never_read(backend, poison):
+    """Slots past kv_lens (unused cache capacity, padding) may hold anything: the result is
+    bitwise the one with clean slots (0 x NaN must not leak into the sums)."""
+    q, k, v = make(3, 8, 2, 2, 300, 32, seed=5)
+    kv_lens = torch.tensor([300, 7, 0])
+    clean_k, clean_v = k.clone(), v.clone()
+    for b, L in enumerate(kv_lens.tolist()):
+        k[b, :, L:] = poison
+        v[b, :, L:] = poison
+    for causal in (False, True):
+        o1, l1 = attention_with_lse(q, k, v, kv_lens=kv_lens, causal=causal, backend=backend)
+        o2, l2 = attention_with_lse(q, clean_k, clean_v, kv_lens=kv_lens, causal=causal, backend=backend)
+        assert torch.equal(o1, o2) and torch.equal(l1, l2)
+        assert_within_tolerance(o1, l1, q, clean_k, clean_v, kv_lens=kv_lens, causal=causal)
+    # one sequence: the tail past the length is sliced away, not read
+    o1, _ = attention_with_lse(q[:1], k[1:2], v[1:2], kv_lens=kv_lens[1:2], backend=backend)
+    o2, _ = attention_with_lse(q[:1], clean_k[1:2, :, :7], clean_v[1:2, :, :7], backend=backend)
+    assert torch.equal(o1, o2)

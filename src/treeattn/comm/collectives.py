@@ -42,13 +42,17 @@ def all_gather(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     return out.view(p, *t.shape)
 
 
-def sendrecv(send: Tensor, dst: int, recv: Tensor, src: int, group: dist.ProcessGroup | None) -> list:
-    """Post one send and one receive (group ranks) together; returns the requests."""
+def sendrecv(send: list[Tensor], dst: int, recv: list[Tensor], src: int, group: dist.ProcessGroup | None) -> list:
+    """Post sends of ``send`` to ``dst`` and receives into ``recv`` from ``src`` (group ranks)
+    together; returns the requests to wait on. Message i carries tag i, so the i-th send
+    always lands in the i-th receive (backends may match same-tag messages out of order)."""
     g = group if group is not None else dist.group.WORLD
-    meter.record("send", send.numel() * send.element_size(), 0)
-    meter.record("recv", 0, recv.numel() * recv.element_size())
-    ops = [
-        dist.P2POp(dist.isend, send, dist.get_global_rank(g, dst), group),
-        dist.P2POp(dist.irecv, recv, dist.get_global_rank(g, src), group),
-    ]
+    gd, gs = dist.get_global_rank(g, dst), dist.get_global_rank(g, src)
+    ops = []
+    for i, t in enumerate(send):
+        meter.record("send", t.numel() * t.element_size(), 0)
+        ops.append(dist.P2POp(dist.isend, t, gd, group, tag=i))
+    for i, t in enumerate(recv):
+        meter.record("recv", 0, t.numel() * t.element_size())
+        ops.append(dist.P2POp(dist.irecv, t, gs, group, tag=i))
     return dist.batch_isend_irecv(ops)

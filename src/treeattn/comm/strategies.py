@@ -15,7 +15,6 @@ Every strategy is exact and leaves the same merged state on every rank, float32:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -46,18 +45,19 @@ def strategy_costs(
     out_bytes: int, lse_bytes: int, p: int, topology: Topology | None = None, link: LinkModel = LinkModel()
 ) -> dict[str, float]:
     """Modelled seconds of each strategy for one state (``out_bytes`` + ``lse_bytes`` per
-    rank, float32) over ``p`` ranks. An all-gather costs ``ceil(log2 p)`` latency steps and
-    ``(p-1) n`` bytes; an all-reduce ``ceil(log2 p)`` steps and ``2 (p-1)/p n`` bytes. With a
-    multi-node ``topology``, flat collectives pay the inter-node constants and
-    ``hierarchical`` pays intra-node constants for its first step only."""
+    rank, float32) over ``p`` ranks, with ring algorithms (gloo's, and NCCL's for large
+    groups): an all-gather costs ``(p-1)`` latency steps and ``(p-1) n`` bytes; an all-reduce
+    ``2 (p-1)`` steps and ``2 (p-1)/p n`` bytes. With a multi-node ``topology``, flat
+    collectives pay the inter-node constants and ``hierarchical`` pays intra-node constants
+    for its first step only."""
     if p <= 1:
         return dict.fromkeys(STRATEGIES[1:], 0.0)
 
     def ag(n: int, q: int, a: float, b: float) -> float:
-        return math.ceil(math.log2(q)) * a + (q - 1) * n / b if q > 1 else 0.0
+        return (q - 1) * (a + n / b)
 
     def ar(n: int, a: float, b: float) -> float:
-        return math.ceil(math.log2(p)) * a + 2 * (p - 1) / p * n / b
+        return 2 * (p - 1) * a + 2 * (p - 1) / p * n / b
 
     multi = topology is not None and 1 < topology.ranks_per_node < p and p % topology.ranks_per_node == 0
     a, b = (link.inter_alpha, link.inter_beta) if multi else (link.alpha, link.beta)

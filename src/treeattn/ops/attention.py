@@ -135,6 +135,15 @@ def _attention(
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     if backend == "auto":
         backend = _pick_backend(q, k, v)
+    ragged = False  # some sequence has keys masked by kv_lens: they must not even be read
+    if kv_lens is not None and B:
+        if kv_lens.device.type == "cpu":  # bounds without a device sync
+            hi, lo = int(kv_lens.max()), int(kv_lens.min())
+            if hi < S:  # keys past every sequence's length (e.g. unused cache capacity)
+                k, v, S = k[:, :, :hi], v[:, :, :hi], hi
+            ragged = lo < hi
+        else:
+            ragged = True
     if S == 0 or B * Hq * Tq == 0:
         out, lse = empty_state((B, Hq, Tq, Dv), q.device)
         return out.to(acc if keep_fp32 else q.dtype), lse.to(acc)
@@ -146,9 +155,13 @@ def _attention(
     if backend == "flash_cpu":
         if q.device.type != "cpu" or Dv != D:
             raise ValueError(f"backend 'flash_cpu' needs CPU tensors with Dv == D, got {q.device}, D={D}, Dv={Dv}")
+        if ragged:  # a masked key holding NaN/inf would still poison the fused kernel's sums
+            bad = (torch.arange(S, device=q.device) >= kv_lens.view(B, 1, 1, 1).to(q.device)).transpose(-1, -2)
+            k, v = k.masked_fill(bad, 0.0), v.masked_fill(bad, 0.0)
         out, lse = _flash_cpu(qg, k, v, scale, lim, vis)
     else:
-        out, lse = _chunked(qg, k, v, scale, lim, vis)
+        vlim = kv_lens.view(B, 1, 1, 1).to(q.device) if ragged else None
+        out, lse = _chunked(qg, k, v, scale, lim, vis, vlim)
     return out.to(acc if keep_fp32 else q.dtype).reshape(B, Hq, Tq, Dv), lse.reshape(B, Hq, Tq)
 
 
@@ -177,8 +190,16 @@ def _visible_limit(
 
 
 def _chunked(
-    qg: Tensor, k: Tensor, v: Tensor, scale: float, lim: Tensor | None, vis: Tensor | None = None
+    qg: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    lim: Tensor | None,
+    vis: Tensor | None = None,
+    vlim: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
+    """Chunked online-softmax attention. ``vlim [B, 1, 1, 1]``: zero the values at or past
+    each sequence's length (0 x NaN would otherwise leak masked garbage into the sum)."""
     B, Hkv, R, _ = qg.shape
     S, Dv = k.shape[2], v.shape[3]
     acc = torch.float64 if qg.dtype == torch.float64 else torch.float32
@@ -193,6 +214,9 @@ def _chunked(
             s = s.masked_fill(j >= lim, float("-inf"))
         if vis is not None:
             s = s.masked_fill(~vis[..., s0 : s0 + kc.shape[2]], float("-inf"))
+        if vlim is not None:
+            jv = torch.arange(s0, s0 + kc.shape[2], device=qg.device).view(1, 1, -1, 1)
+            vc = vc.masked_fill(jv >= vlim, 0.0)
         m = s.amax(-1, keepdim=True)
         m = torch.where(torch.isinf(m), 0.0, m)
         p = torch.exp(s - m)

@@ -20,35 +20,65 @@ from ..ops.state import merge_states, merge_states_n
 from ._common import validate_decode
 from .tree import new_token_state
 
+_POOL: dict[tuple, list[Tensor]] = {}
+
+
+def buffer_bytes() -> int:
+    """Bytes held by the ring's persistent receive buffers (two per device and dtype)."""
+    return sum(b.nbytes for bufs in _POOL.values() for b in bufs)
+
+
+def release_buffers() -> None:
+    """Free the ring's persistent receive buffers (they are re-allocated on demand)."""
+    _POOL.clear()
+
+
+def _buffers(numel: int, like: Tensor) -> list[Tensor]:
+    key = (like.device, like.dtype)
+    bufs = _POOL.get(key)
+    if bufs is None or bufs[0].numel() < numel:
+        _POOL.pop(key, None)  # free the old pair before allocating the new one
+        bufs = _POOL[key] = [like.new_empty(numel), like.new_empty(numel)]
+    return bufs
+
 
 def ring_pass(k: Tensor, v: Tensor, sizes: list[int], group, visit: Callable[[int, Tensor, Tensor], None]) -> None:
-    """Call ``visit(src, k_src, v_src)`` for every rank's block (own first), moving blocks
-    one hop per step as one packed message; ``sizes[j]`` is rank j's block length (dim 2).
-    The transfer of hop h overlaps ``visit`` of the block received at hop h - 1."""
+    """Call ``visit(src, k_src, v_src)`` for every rank's block (own first), moving the blocks
+    one hop per step; ``sizes[j]`` is rank j's block length (dim 2).
+
+    Each hop sends the block this rank holds as two messages (K and V, no packing copy) and
+    receives the next into one of two persistent buffers (no allocation per step, like a
+    preallocated ring); the transfer overlaps ``visit`` of the block held.
+    """
     rank, p = world(group)
     visit(rank, k, v)
     if p == 1:
         return
-    B, H, S, D = k.shape
+    B, H, _, D = k.shape
     Dv = v.shape[3]
+    bufs = _buffers(max(1, max(sizes)) * B * H * (D + Dv), k)
 
-    def unpack(buf: Tensor, s: int) -> tuple[Tensor, Tensor]:
+    def block(buf: Tensor, s: int) -> tuple[Tensor, Tensor]:
+        if s == 0:  # gloo needs non-empty messages: a one-element stand-in for each
+            return buf[:1], buf[1:2]
         n = B * H * s
         return buf[: n * D].view(B, H, s, D), buf[n * D : n * (D + Dv)].view(B, H, s, Dv)
 
-    cur = torch.cat([k.reshape(-1), v.reshape(-1)]) if S else k.new_empty(1)
+    def shaped(src: int, held: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        return held if sizes[src] else (k[:, :, :0], v[:, :, :0])
+
+    held = (k.contiguous(), v.contiguous()) if k.shape[2] else block(bufs[0].new_zeros(2), 0)
     for hop in range(1, p):
         src = (rank - hop) % p
-        nxt = k.new_empty(max(1, B * H * sizes[src] * (D + Dv)))
-        reqs = sendrecv(cur, (rank + 1) % p, nxt, (rank - 1) % p, group)
-        if hop > 1:
-            prev = (src + 1) % p
-            visit(prev, *unpack(cur, sizes[prev]))
+        nxt = block(bufs[hop % 2], sizes[src])
+        reqs = sendrecv(list(held), (rank + 1) % p, list(nxt), (rank - 1) % p, group)
+        if hop > 1:  # attend to the block received last hop while the next one is in flight
+            visit((src + 1) % p, *shaped((src + 1) % p, held))
         for r in reqs:
             r.wait()
-        cur = nxt
+        held = nxt
     last = (rank + 1) % p
-    visit(last, *unpack(cur, sizes[last]))
+    visit(last, *shaped(last, held))
 
 
 def ring_decode(
