@@ -47,10 +47,32 @@ def _core_demo(a: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def _demo(a: argparse.Namespace) -> int:
     from .demo import worker
     from .launch import LaunchError, launch
 
+    kv = a.seq * (a.kv_heads or a.heads) * a.dim * 2 * DTYPES[a.dtype].itemsize
+    need = 4 * kv  # the shards, ring's two receive buffers per rank, rank 0's full copy for the reference
+    avail = _mem_available()
+    if avail is not None and need > avail:
+        print(
+            f"treeattn demo: {a.seq:,} tokens x {a.kv_heads or a.heads} kv heads x {a.dim} ({a.dtype}) needs about "
+            f"{need / 2**30:.1f} GiB (K/V {kv / 2**30:.1f} GiB x 4: shards, ring buffers, reference copy) but "
+            f"{avail / 2**30:.1f} GiB is available; use fewer --seq, --heads/--kv-heads or --dim",
+            file=sys.stderr,
+        )
+        return 2
     try:
         launch(
             worker,

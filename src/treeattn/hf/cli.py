@@ -62,6 +62,10 @@ def worker(a: argparse.Namespace) -> None:
     dtype = getattr(torch, a.dtype)
     model, tok = build_model(a.preset, a.model, dtype, a.seed)
     ids = _prompt(a, tok, model.config.vocab_size)
+    if a.device == "cuda":  # one GPU per rank (untested here: CI has no GPU)
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(dev)
+        model, ids = model.to(dev), ids.to(dev)
     timings: dict = {}
     out = generate(
         model,
@@ -140,6 +144,7 @@ def add_parser(sub) -> None:
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=1)
+    g.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, NCCL (torchrun)")
     g.add_argument("--timeout", type=float, default=3600.0)
     g.add_argument("--compare-single", action="store_true", help="check tokens against single-process model.generate")
     g.add_argument("--progress", action="store_true", help="progress bar on rank 0")
@@ -149,7 +154,7 @@ def add_parser(sub) -> None:
 def run(a: argparse.Namespace) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():  # under torchrun
         torch.set_num_threads(a.threads)
-        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+        dist.init_process_group("nccl" if a.device == "cuda" else "gloo")
         try:
             worker(a)
         finally:
@@ -158,7 +163,14 @@ def run(a: argparse.Namespace) -> int:
     from ..launch import LaunchError, launch
 
     try:
-        launch(worker, a.nproc, (a,), threads=a.threads, timeout=a.timeout)
+        launch(
+            worker,
+            a.nproc,
+            (a,),
+            threads=a.threads,
+            timeout=a.timeout,
+            backend="nccl" if a.device == "cuda" else "gloo",
+        )
     except LaunchError as e:
         print(f"treeattn generate failed: {e}", file=sys.stderr)
         return 1

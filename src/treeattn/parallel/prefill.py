@@ -10,6 +10,8 @@ from ..comm.collectives import world
 from ..ops.attention import _attention
 from ..ops.state import merge_states
 
+_MASK_BUDGET = 1 << 24  # elements of the dense causal mask per attention call
+
 
 def ring_prefill(
     q: Tensor,
@@ -44,6 +46,8 @@ def ring_prefill(
     qmax = int(qpos.max()) if len(qpos) else -1
     state: list[Tensor] = []
 
+    G = q.shape[1] // max(1, k.shape[1])
+
     def visit(src: int, kb: Tensor, vb: Tensor) -> None:
         kpos = positions[src].to(torch.int64)
         if len(kpos) == 0 or int(kpos.min()) > qmax:
@@ -51,8 +55,17 @@ def ring_prefill(
                 o, l = _attention(q, kb[:, :, :0], vb[:, :, :0], scale=scale, keep_fp32=True)
                 state[:] = (o, l)
             return
-        mask = (kpos[None, :] <= qpos[:, None]).unsqueeze(0).to(q.device)  # [1, n, n_src]
-        o, l = _attention(q, kb, vb, scale=scale, mask=mask, backend=backend, keep_fp32=True)
+        if int(kpos.max()) <= int(qpos.min()):  # every key precedes every query: no mask
+            o, l = _attention(q, kb, vb, scale=scale, backend=backend, keep_fp32=True)
+        else:  # query rows in chunks, so the dense mask stays under _MASK_BUDGET elements
+            rows = max(1, _MASK_BUDGET // (G * len(kpos)))
+            parts = []
+            for a in range(0, len(qpos), rows):
+                mask = (kpos[None, :] <= qpos[a : a + rows, None]).unsqueeze(0).to(q.device)
+                parts.append(
+                    _attention(q[:, :, a : a + rows], kb, vb, scale=scale, mask=mask, backend=backend, keep_fp32=True)
+                )
+            o, l = torch.cat([x[0] for x in parts], 2), torch.cat([x[1] for x in parts], 2)
         state[:] = merge_states(*state, o, l) if state else (o, l)
 
     ring_pass(k, v, [len(x) for x in positions], group, visit)
