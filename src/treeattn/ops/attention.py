@@ -96,7 +96,7 @@ def attention_with_lse(
         backend: ``"torch"`` (pure torch, chunked over S so the float32 score block stays
             under 32 MiB, any device), ``"flash_cpu"`` (PyTorch's fused CPU flash kernel,
             a private aten op; CPU, equal q/v head dims, S > 0), or ``"auto"`` (the faster
-            exact one for the call, see ``docs/backends`` in the README).
+            exact one for the call; measurements under "Backend speed" in the README).
 
     Returns:
         ``(out, lse)``: ``out [B, Hq, Tq, Dv]`` in q's dtype and ``lse [B, Hq, Tq]``
