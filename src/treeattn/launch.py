@@ -12,6 +12,7 @@ import datetime
 import faulthandler
 import multiprocessing as mp
 import os
+import signal
 import tempfile
 import time
 import traceback
@@ -31,6 +32,36 @@ class LaunchError(RuntimeError):
         self.details = details
 
 
+def _exit_code(code: int | None) -> str:
+    """``exit code 1``, or ``exit code -9 (SIGKILL)`` for a rank ended by a signal."""
+    if code is not None and code < 0:
+        try:
+            return f"exit code {code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return f"exit code {code}"
+
+
+def _first_failed(procs, errdir: str) -> tuple[int, int] | None:
+    """(rank, exit code) of the failed rank to blame, or None. Several ranks may be seen
+    dead at once: one that left no traceback (killed, crashed, ``os._exit``) caused the
+    others' errors (they write one before exiting), so it comes first, then the lowest rank."""
+    bad = [(r, pr.exitcode) for r, pr in enumerate(procs) if pr.exitcode not in (None, 0)]
+    bad.sort(key=lambda b: (os.path.exists(os.path.join(errdir, f"{b[0]}.txt")), b[0]))
+    return bad[0] if bad else None
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this rank if the launching process dies (even by SIGKILL)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _entry(fn, rank, nproc, local_size, store, errdir, threads, backend, coll_timeout, env, args):
     os.environ.update(env)
     os.environ.update(
@@ -39,6 +70,7 @@ def _entry(fn, rank, nproc, local_size, store, errdir, threads, backend, coll_ti
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ["OMP_NUM_THREADS"] = str(threads)
     faulthandler.enable()  # a crash in native code still prints this rank's Python stack
+    _die_with_parent()
     try:
         import torch
         import torch.distributed as dist
@@ -79,8 +111,11 @@ def launch(
     ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` (``ranks_per_node``, default
     ``nproc``) and a collective timeout of ``collective_timeout`` seconds. Returns when every
     rank exits 0. Raises :class:`LaunchError` naming the first failing rank (with its
-    traceback) as soon as one fails — the others get ``grace`` seconds, then are killed — or
-    when ``timeout`` seconds pass. No process outlives the call.
+    traceback) as soon as one fails — the others get ``grace`` seconds, then are killed (the
+    message lists them: a rank that stalled is among them) — or when ``timeout`` seconds
+    pass. A rank that died without a traceback (killed, crashed) is named with its exit
+    code, e.g. ``exit code -9 (SIGKILL)``. No process outlives the call, and the temporary
+    directory holding the file store is removed.
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
@@ -102,15 +137,16 @@ def launch(
         deadline = time.monotonic() + timeout
         failed: tuple[int, int] | None = None
         timed_out = False
+        stopped: list[int] = []  # ranks still running at the deadline, killed by us
         try:
             while any(pr.exitcode is None for pr in procs):
                 if failed is None:
-                    bad = [(r, pr.exitcode) for r, pr in enumerate(procs) if pr.exitcode not in (None, 0)]
-                    if bad:
-                        failed = bad[0]
+                    failed = _first_failed(procs, errdir)
+                    if failed is not None:
                         deadline = min(deadline, time.monotonic() + grace)
                 if time.monotonic() > deadline:
                     timed_out = failed is None
+                    stopped = [r for r, pr in enumerate(procs) if pr.exitcode is None]
                     break
                 time.sleep(0.05)
         finally:
@@ -121,16 +157,17 @@ def launch(
         if timed_out:
             raise LaunchError(f"timed out after {timeout:.0f} s; the ranks still running were killed")
         if failed is None:
-            bad = [(r, pr.exitcode) for r, pr in enumerate(procs) if pr.exitcode != 0]
-            failed = bad[0] if bad else None
+            failed = _first_failed(procs, errdir)
         if failed is not None:
             errs = {int(f.stem): f.read_text().split("\n", 1) for f in Path(errdir).glob("*.txt")}
             if failed[0] not in errs:  # the first rank to die left no traceback: killed or crashed
-                r, how, text = failed[0], f"exit code {failed[1]}, killed or crashed without a traceback", ""
+                r, how, text = failed[0], f"{_exit_code(failed[1])}, killed or crashed without a traceback", ""
                 if errs:
                     o = min(errs, key=lambda x: int(errs[x][0]))
                     text = f"(then rank {o} failed with:)\n{errs[o][1]}"
             else:  # the root cause wrote its traceback first
                 r = min(errs, key=lambda x: int(errs[x][0]))
-                how, text = f"exit code {procs[r].exitcode}", errs[r][1]
+                how, text = _exit_code(procs[r].exitcode), errs[r][1]
+            if stopped:  # a rank that neither finished nor failed may be the one that stalled
+                how += f"; rank(s) {stopped} still running {grace:g} s later were killed"
             raise LaunchError(f"rank {r} of {nproc} failed ({how})", rank=r, details=text)

@@ -2,12 +2,14 @@
 
 Knows nothing about attention beyond "reduce these states over this group"."""
 
+from .collectives import CollectiveError
 from .meter import CommMeter, metering
 from .strategies import STRATEGIES, LinkModel, choose_strategy, reduce_states, strategy_costs
 from .topology import Topology
 
 __all__ = [
     "STRATEGIES",
+    "CollectiveError",
     "CommMeter",
     "LinkModel",
     "Topology",

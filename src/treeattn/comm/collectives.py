@@ -1,6 +1,14 @@
-"""Thin metered wrappers over torch.distributed (tensors only, nothing is pickled)."""
+"""Thin metered wrappers over torch.distributed (tensors only, nothing is pickled).
+
+A backend failure inside a wrapper (gloo/NCCL timeout, a peer that closed its connection,
+...) is re-raised as :class:`CollectiveError` naming the operation, the caller, this rank
+and the group size, chained to the backend's own exception. The success path adds nothing
+but a ``try`` (free in CPython >= 3.11) and, for point-to-point, one small request wrapper.
+"""
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.distributed as dist
@@ -8,8 +16,52 @@ from torch import Tensor
 
 from . import meter
 
+__all__ = ["CollectiveError", "all_gather", "all_reduce", "sendrecv", "world"]
+
 # torch >= 2.12 renames all_gather_into_tensor (and warns on the old name)
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class CollectiveError(RuntimeError):
+    """A torch.distributed operation issued by treeattn failed on this rank: the backend's
+    timeout (a peer stalled) or a broken connection (a peer died or exited). The message
+    names the operation (``all_reduce``, ``all_gather``, ``send-recv``), the caller (the
+    reduction strategy, ``ring``, or the treeattn function that issued it), this rank and
+    the group size; ``__cause__`` is the backend's exception. The process group is not
+    usable afterwards: tear it down (the usual reaction is to let the process exit)."""
+
+    def __init__(self, msg: str, *, op: str = "", caller: str = "", rank: int = -1, size: int = -1) -> None:
+        super().__init__(msg)
+        self.op, self.caller, self.rank, self.size = op, caller, rank, size
+
+
+def _failure(op: str, group: dist.ProcessGroup | None, e: BaseException, default: str | None = None) -> CollectiveError:
+    """Build the CollectiveError for a failed ``op`` (error path only: may be slow)."""
+    path = []
+    f = sys._getframe(1)
+    while f is not None:  # the treeattn functions on the stack, innermost first
+        mod = f.f_globals.get("__name__", "")
+        if not mod.startswith("treeattn."):
+            break
+        if mod != __name__:
+            path.append(f.f_code.co_name)
+        f = f.f_back
+    path.reverse()
+    caller = meter._LABEL[-1] if meter._LABEL else default or (path[0] if path else "?")
+    try:
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        glob = f" (global rank {dist.get_rank()})" if group is not None and dist.get_rank() != rank else ""
+    except Exception:  # the group itself is unusable: still report the failure
+        rank, size, glob = -1, -1, ""
+    where = " > ".join(path) or "?"
+    return CollectiveError(
+        f"treeattn {op} failed on rank {rank} of {size}{glob} (caller: {caller}; path: {where}): "
+        f"{type(e).__name__}: {e}",
+        op=op,
+        caller=caller,
+        rank=rank,
+        size=size,
+    )
 
 
 def world(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -26,7 +78,10 @@ def all_reduce(t: Tensor, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup 
     if p > 1:
         n = t.numel() * t.element_size()
         meter.record("all_reduce", 2 * (p - 1) / p * n, 2 * (p - 1) / p * n)
-        dist.all_reduce(t, op=op, group=group)
+        try:
+            dist.all_reduce(t, op=op, group=group)
+        except RuntimeError as e:
+            raise _failure("all_reduce", group, e) from e
     return t
 
 
@@ -38,14 +93,36 @@ def all_gather(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     out = torch.empty(p * t.numel(), dtype=t.dtype, device=t.device)
     n = t.numel() * t.element_size()
     meter.record("all_gather", (p - 1) * n, (p - 1) * n)
-    _all_gather_flat(out, t.reshape(-1).contiguous(), group=group)
+    try:
+        _all_gather_flat(out, t.reshape(-1).contiguous(), group=group)
+    except RuntimeError as e:
+        raise _failure("all_gather", group, e) from e
     return out.view(p, *t.shape)
+
+
+class _Request:
+    """A point-to-point request whose ``wait()`` raises :class:`CollectiveError`."""
+
+    __slots__ = ("_work", "_group")
+
+    def __init__(self, work, group) -> None:
+        self._work, self._group = work, group
+
+    def wait(self, *args, **kwargs):
+        try:
+            return self._work.wait(*args, **kwargs)
+        except RuntimeError as e:
+            raise _failure("send-recv", self._group, e, "ring") from e
+
+    def __getattr__(self, name: str):
+        return getattr(self._work, name)
 
 
 def sendrecv(send: list[Tensor], dst: int, recv: list[Tensor], src: int, group: dist.ProcessGroup | None) -> list:
     """Post sends of ``send`` to ``dst`` and receives into ``recv`` from ``src`` (group ranks)
-    together; returns the requests to wait on. Message i carries tag i, so the i-th send
-    always lands in the i-th receive (backends may match same-tag messages out of order)."""
+    together; returns the requests to wait on (``wait()`` raises :class:`CollectiveError`).
+    Message i carries tag i, so the i-th send always lands in the i-th receive (backends may
+    match same-tag messages out of order)."""
     g = group if group is not None else dist.group.WORLD
     gd, gs = dist.get_global_rank(g, dst), dist.get_global_rank(g, src)
     ops = []
@@ -55,4 +132,8 @@ def sendrecv(send: list[Tensor], dst: int, recv: list[Tensor], src: int, group: 
     for i, t in enumerate(recv):
         meter.record("recv", 0, t.numel() * t.element_size())
         ops.append(dist.P2POp(dist.irecv, t, gs, group, tag=i))
-    return dist.batch_isend_irecv(ops)
+    try:
+        reqs = dist.batch_isend_irecv(ops)
+    except RuntimeError as e:
+        raise _failure("send-recv", group, e, "ring") from e
+    return [_Request(r, group) for r in reqs]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from .collectives import world
@@ -39,6 +40,17 @@ class Topology:
 _GROUPS: dict[tuple, tuple] = {}
 
 
+def _timeout(group: dist.ProcessGroup):
+    """The parent group's collective timeout (None: torch's default), so sub-groups fail as fast."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except Exception:
+        try:
+            return group._get_backend(torch.device("cuda")).options._timeout
+        except Exception:
+            return None
+
+
 def node_groups(group: dist.ProcessGroup | None, topo: Topology) -> tuple:
     """``(intra, cross)`` groups of this rank: the ranks of its node, and the ranks with its
     local index on every node. Created once per (group, topology), only by member ranks."""
@@ -50,7 +62,8 @@ def node_groups(group: dist.ProcessGroup | None, topo: Topology) -> tuple:
         g = group if group is not None else dist.group.WORLD
         glob = [dist.get_global_rank(g, r) for r in range(p)]
         node, local = divmod(rank, rpn)
-        intra = dist.new_group([glob[node * rpn + j] for j in range(rpn)], use_local_synchronization=True)
-        cross = dist.new_group([glob[n * rpn + local] for n in range(nodes)], use_local_synchronization=True)
+        kw = dict(use_local_synchronization=True, timeout=_timeout(g))
+        intra = dist.new_group([glob[node * rpn + j] for j in range(rpn)], **kw)
+        cross = dist.new_group([glob[n * rpn + local] for n in range(nodes)], **kw)
         _GROUPS[key] = (intra, cross)
     return _GROUPS[key]

@@ -103,29 +103,36 @@ def generate(
         ``[B, max_new_tokens]`` int64 new tokens, identical on every rank.
     """
     rank, p = world(group)
-    if attention not in ATTENTIONS:
-        raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
-    if input_ids.ndim != 2 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids must be [B, L] with L >= 1, got {tuple(input_ids.shape)}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    lens = _prompt_lens(input_ids, attention_mask)
-    if bool((lens < 1).any()):
-        raise ValueError(f"every prompt needs at least one token, got lengths {lens.tolist()}")
-    B, L = input_ids.shape
+    err, lens = None, None
+    try:  # local checks; the verdict is shared below so a bad argument on one rank fails all
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+        if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be [B, L] with L >= 1, got {tuple(input_ids.shape)}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        lens = _prompt_lens(input_ids, attention_mask)
+        if bool((lens < 1).any()):
+            raise ValueError(f"every prompt needs at least one token, got lengths {lens.tolist()}")
+    except ValueError as e:
+        err = str(e)
+    ok = err is None
+    B, L = tuple(input_ids.shape[:2]) if ok else (-1, -1)
     ids_cpu = input_ids.detach().cpu().to(torch.int64)
     fields = {
         "B": B,
         "L": L,
-        "input_ids checksum": int(((ids_cpu + 1) * torch.arange(1, ids_cpu.numel() + 1).view(B, L)).sum() % (1 << 61)),
-        "prompt lengths checksum": int((lens * torch.arange(1, B + 1)).sum()),
+        "input_ids checksum": int(((ids_cpu + 1) * torch.arange(1, ids_cpu.numel() + 1).view(B, L)).sum() % (1 << 61))
+        if ok
+        else -1,
+        "prompt lengths checksum": int((lens * torch.arange(1, B + 1)).sum()) if ok else -1,
         "max_new_tokens": max_new_tokens,
-        "attention": ATTENTIONS.index(attention),
+        "attention": ATTENTIONS.index(attention) if attention in ATTENTIONS else -1,
         "do_sample": int(do_sample),
         "seed": seed,
         "temperature": float_bits(temperature),
     }
-    agree(fields, None, group=group, show={"temperature": "float", "attention": dict(enumerate(ATTENTIONS))})
+    agree(fields, err, group=group, show={"temperature": "float", "attention": dict(enumerate(ATTENTIONS))})
 
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
