@@ -1,7 +1,8 @@
 """Peak memory per rank of one decode step, Tree vs Ring, against the paper's eq. 8-9.
 
 Measured, not computed: the bytes a step allocates at its peak (CPU: resident-set
-high-water mark; CUDA: max_memory_allocated) plus the resident local K/V shard. The paper's
+high-water mark; CUDA: max_memory_allocated) plus the resident local K/V shard. Ring's
+persistent receive buffers are released before its measured step, so they count. The paper's
 model (elements, d = hidden size, n_h heads, t = S/p tokens per rank, b batch)::
 
     Mem_ring = 4 b t d + 2 b d          (local K/V + the incoming K/V block, plus q/out)
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import ring_decode, tree_decode
+from ..parallel.ring import release_buffers
 from .common import make_shard, peak_memory, shard_sizes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,8 +48,10 @@ def worker(cfg: dict, points: list[tuple[int, int, int]], out_path: str) -> None
             ("ring", partial(ring_decode, q, k, v, check=False)),
         ):
             fn()  # warm-up: lazy allocations of the first call are not the step's
+            release_buffers()  # but Ring's two receive buffers are: it must hold them to step
             dist.barrier()
             step, _ = peak_memory(fn, q.device)
+            release_buffers()
             t = torch.tensor([step, resident], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             if r == 0:
