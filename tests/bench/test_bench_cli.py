@@ -36,7 +36,7 @@ def test_latency_quick(tmp_path):
     assert {"local", "tree allgather", "tree auto", "ring", "single device"} <= methods
     for r in rows:
         assert 0 < r["p10_s"] <= r["median_s"] <= r["p90_s"]
-        if r["max_err"] is not None:
+        if r.get("max_err") is not None:
             assert r["max_err"] < 1e-5
     ring = {(r["p"], r["seq"]): r["bytes_sent"] for r in rows if r["method"] == "ring" and r["p"] == 2}
     assert ring[(2, 8192)] > 3 * ring[(2, 2048)]  # ring traffic grows with the context

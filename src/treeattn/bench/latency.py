@@ -70,7 +70,8 @@ def measure(cfg: dict, seq: int) -> tuple[list[dict], dict]:
                 t0 = time.perf_counter()
                 fn()
                 ts.append(time.perf_counter() - t0)
-            rows.append({"method": "single device", **base, **summarize(ts), "bytes_sent": 0, "collectives": 0})
+            rows.append({"method": "single device", **base, **summarize(ts), "bytes_sent": 0, "collectives": 0,
+                         "p2p_sends": 0, "max_err": None})  # fmt: skip
         dist.barrier()
     extra = {
         "auto": choose_strategy(B * H * D * 4, B * H * 4, p, Topology.from_env()),
