@@ -12,7 +12,6 @@ be reduced over key chunks by any tree: Algorithms 1 and 2 below do this explici
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -141,8 +140,3 @@ def tree_attention_reference(
 
 def _chunks(k: Tensor, v: Tensor, p: int) -> list[tuple[Tensor, Tensor]]:
     return list(zip(torch.tensor_split(k, p, dim=2), torch.tensor_split(v, p, dim=2), strict=True))
-
-
-def tree_depth(p: int) -> int:
-    """``ceil(log2 p)``: rounds of a pairwise reduction over ``p`` leaves."""
-    return math.ceil(math.log2(p)) if p > 1 else 0

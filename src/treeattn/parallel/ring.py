@@ -23,11 +23,6 @@ from .tree import new_token_state
 _POOL: dict[tuple, list[Tensor]] = {}
 
 
-def buffer_bytes() -> int:
-    """Bytes held by the ring's persistent receive buffers (two per device and dtype)."""
-    return sum(b.nbytes for bufs in _POOL.values() for b in bufs)
-
-
 def release_buffers() -> None:
     """Free the ring's persistent receive buffers (they are re-allocated on demand)."""
     _POOL.clear()
