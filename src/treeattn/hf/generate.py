@@ -39,6 +39,16 @@ def _processors(temperature, top_k, top_p, typical_p, eta_cutoff, device) -> Log
     return procs
 
 
+def lm_logits(model: torch.nn.Module, hidden: Tensor) -> Tensor:
+    """float32 logits of the LM head for hidden states ``[..., hidden]`` (the model's own
+    final-logit softcapping, e.g. Gemma-2, applied as its ``forward`` does)."""
+    logits = model.get_output_embeddings()(hidden).float()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
 def _prompt_lens(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
     B, L = input_ids.shape
     if attention_mask is None:
@@ -150,7 +160,7 @@ def generate(
         block=block,
     )
     cache = TreeAttnCache(sharded)
-    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    decoder = model.get_decoder()
     procs = _processors(temperature, top_k, top_p, typical_p, eta_cutoff, device) if do_sample else None
     gen = torch.Generator(device=device).manual_seed(seed)
     prev_impl = cfg._attn_implementation
@@ -188,7 +198,7 @@ def generate(
         last = torch.zeros(B, hidden.shape[-1], dtype=torch.float32, device=device)
         last[rows.to(device)] = hidden[rows.to(device), cols.to(device)].float()
         last = all_reduce(last, dist.ReduceOp.SUM, group).to(hidden.dtype)
-        logits = head(last).float()
+        logits = lm_logits(model, last)
         tok = pick(logits)
         out[:, 0] = tok
         t1 = time.perf_counter()
@@ -209,7 +219,7 @@ def generate(
                 use_cache=True,
                 treeattn_ctx=ctx,
             ).last_hidden_state
-            logits = head(hidden[:, -1]).float()
+            logits = lm_logits(model, hidden[:, -1])
             tok = pick(logits)
             out[:, t] = tok
             steps.append(time.perf_counter() - ts)
