@@ -142,11 +142,15 @@ class ShardedKVCache:
         self.used = len(mine)
         return mine
 
-    def store_prefill(self, layer: int, k: Tensor, v: Tensor) -> None:
-        """Store this rank's prompt K/V ``[B, Hkv, n, D]`` of ``layer`` (n from begin_prefill)."""
+    def store_prefill(self, layer: int, k: Tensor, v: Tensor, start: int = 0) -> None:
+        """Store K/V ``[B, Hkv, n, D]`` of ``layer`` for this rank's prompt slots
+        ``start .. start + n - 1`` (the positions returned by :meth:`begin_prefill`; a
+        chunked prefill stores one chunk at a time)."""
         n = k.shape[2]
-        self.k[layer][:, :, :n] = k
-        self.v[layer][:, :, :n] = v
+        if start < 0 or start + n > self.used:
+            raise ValueError(f"prefill slots {start}..{start + n - 1} outside this rank's {self.used} prompt slots")
+        self.k[layer][:, :, start : start + n] = k
+        self.v[layer][:, :, start : start + n] = v
 
     # -- decode ----------------------------------------------------------------------
     def begin_decode_step(self) -> Tensor:
@@ -175,12 +179,14 @@ class ShardedKVCache:
             self.k[layer][r, :, s] = k[r, :, 0]
             self.v[layer][r, :, s] = v[r, :, 0]
 
-    def local(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
+    def local(self, layer: int, stop: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """``(k, v, kv_lens)``: this rank's shard ``[B, Hkv, used, D]`` (views, no copy) and
         the valid length per sequence ``[B]`` on the cache's device — what
-        :func:`treeattn.tree_decode` / :func:`treeattn.ring_decode` take."""
+        :func:`treeattn.tree_decode` / :func:`treeattn.ring_decode` take. ``stop``: only the
+        first ``stop`` slots (a chunked prefill's keys so far)."""
+        stop = self.used if stop is None else min(stop, self.used)
         return (
-            self.k[layer][:, :, : self.used],
-            self.v[layer][:, :, : self.used],
+            self.k[layer][:, :, :stop],
+            self.v[layer][:, :, :stop],
             self.kv_lens.clone().to(self.device, non_blocking=True),
         )

@@ -11,7 +11,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..cache import ShardedKVCache
-from ..parallel import ring_decode, ring_prefill, tree_decode
+from ..parallel import ring_decode, ring_prefill, tree_decode, tree_prefill
 
 ATTN_NAME = "treeattn"
 
@@ -26,8 +26,10 @@ class StepContext:
     attention: str = "tree"  # "tree" | "ring"
     strategy: str = "auto"
     group: dist.ProcessGroup | None = None
-    positions: list[Tensor] = field(default_factory=list)  # prefill: every rank's token positions
-    n_real: int = 0  # prefill: real tokens of this rank (the rest is a placeholder)
+    positions: list[Tensor] = field(default_factory=list)  # prefill: every rank's stored positions after this chunk
+    q_positions: list[Tensor] = field(default_factory=list)  # prefill: every rank's positions in this chunk
+    n_real: int = 0  # prefill: real tokens of this rank in this chunk (the rest is a placeholder)
+    start: int = 0  # prefill: this rank's first slot of this chunk
     kv_lens: Tensor | None = None  # decode: local valid lengths on the device
 
 
@@ -48,7 +50,7 @@ class _Layer(CacheLayerMixin):
             raise RuntimeError("TreeAttnCache is driven by treeattn.hf.generate (no step context set)")
         if ctx.mode == "prefill":
             n = ctx.n_real
-            self.owner.sharded.store_prefill(self.idx, key_states[:, :, :n], value_states[:, :, :n])
+            self.owner.sharded.store_prefill(self.idx, key_states[:, :, :n], value_states[:, :, :n], ctx.start)
         else:
             self.owner.sharded.store_decode(self.idx, key_states, value_states)
         return key_states, value_states
@@ -95,10 +97,24 @@ def treeattn_attention(
     if kwargs.get("softcap") is not None:
         raise ValueError("treeattn does not support attention logit softcapping")
     if ctx.mode == "prefill":
-        n = ctx.n_real
-        out = ring_prefill(
-            query[:, :, :n], key[:, :, :n], value[:, :, :n], ctx.positions, group=ctx.group, scale=scaling
-        )
+        n, rank = ctx.n_real, ctx.cache.rank
+        stop = len(ctx.positions[rank])  # this rank's keys up to and including this chunk (stored above)
+        k, v, _ = ctx.cache.local(module.layer_idx, stop)
+        if ctx.attention == "ring":
+            out = ring_prefill(
+                query[:, :, :n], k, v, ctx.positions, group=ctx.group, scale=scaling, q_positions=ctx.q_positions[rank]
+            )
+        else:
+            out = tree_prefill(
+                query[:, :, :n],
+                k,
+                v,
+                ctx.q_positions,
+                ctx.positions[rank],
+                group=ctx.group,
+                scale=scaling,
+                strategy=ctx.strategy,
+            )
         if n < query.shape[2]:  # placeholder token of a rank that holds no prompt token
             out = torch.cat([out, out.new_zeros(*out.shape[:2], query.shape[2] - n, out.shape[3])], 2)
     else:

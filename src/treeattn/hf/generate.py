@@ -64,6 +64,54 @@ def _prompt_lens(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
     return lens
 
 
+def _eos_ids(model: torch.nn.Module, eos_token_id, stop_at_eos: bool) -> list[int]:
+    if not stop_at_eos:
+        return []
+    if eos_token_id is None:
+        gc = getattr(model, "generation_config", None)
+        eos_token_id = getattr(gc, "eos_token_id", None) if gc is not None else None
+        if eos_token_id is None:
+            eos_token_id = getattr(model.config, "eos_token_id", None)
+    if eos_token_id is None:
+        return []
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"eos_token_id must be a non-negative int or a list of them, got {eos_token_id!r}")
+    return ids
+
+
+def _pad_id(model: torch.nn.Module, pad_token_id: int | None, eos: list[int]) -> int:
+    if pad_token_id is None:
+        gc = getattr(model, "generation_config", None)
+        pad_token_id = getattr(gc, "pad_token_id", None) if gc is not None else None
+    if pad_token_id is None:
+        pad_token_id = eos[0] if eos else 0  # as transformers: pad with the (first) EOS id
+    return int(pad_token_id)
+
+
+def _checksum(t: Tensor) -> int:
+    t = t.detach().cpu().to(torch.int64).reshape(-1)
+    return int(((t + 1) * torch.arange(1, t.numel() + 1)).sum() % (1 << 61)) if t.numel() else 0
+
+
+def peak_memory_bytes(device: torch.device | str = "cpu") -> int:
+    """Peak memory of this process so far: device memory allocated by torch on CUDA, else
+    the peak resident set (Linux ``VmHWM``: weights, KV cache, activations, everything)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -83,37 +131,62 @@ def generate(
     typical_p: float | None = None,
     eta_cutoff: float | None = None,
     seed: int = 0,
+    stop_at_eos: bool = True,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    prefill_chunk: int | None = 1024,
+    streamer=None,
     info: dict | None = None,
     progress: bool = False,
 ) -> Tensor:
-    """Generate ``max_new_tokens`` tokens per sequence; call on every rank with the same arguments.
+    """Generate up to ``max_new_tokens`` tokens per sequence; call on every rank with the same
+    arguments. Stops where ``model.generate`` stops: at the EOS ids of the model's generation
+    config (or ``eos_token_id``).
 
-    The prompt's tokens are spread over the ranks by ``placement`` (each rank runs the model
-    on its share; causal attention across shards by Ring Attention prefill); every decoded
-    token is run on all ranks with attention over the sharded cache by Tree decoding
-    (``attention="tree"``, reduction ``strategy``) or Ring decoding (``attention="ring"``).
+    The prompt's tokens are spread over the ranks by ``placement``; each rank runs the model
+    on its share in chunks of ``prefill_chunk`` tokens, with exact causal attention across
+    the shards (``attention="tree"``: Tree prefill, the chunk's queries gathered and the
+    states reduced, traffic independent of the context; ``"ring"``: Ring Attention prefill).
+    Every decoded token is then run on all ranks with attention over the sharded cache by
+    Tree decoding (reduction ``strategy``) or Ring decoding.
 
     Args:
-        model: a transformers causal LM of the Llama/Mistral/Qwen2 families (no sliding
-            window), in eval mode; the same weights on every rank.
+        model: a transformers causal LM (Llama, Mistral, Qwen2, Gemma-2/3 families; see the
+            README's table), in eval mode; the same weights on every rank.
         input_ids: ``[B, L]`` int64, identical on every rank. Batches are **right-padded**:
             ``attention_mask [B, L]`` (1 for real tokens, then 0s) gives each prompt's length
-            (every prompt at least 1 token).
-        max_new_tokens: tokens to generate per sequence (no early stop at EOS).
+            (every prompt at least 1 token). ``L + max_new_tokens`` must not exceed the
+            model's ``max_position_embeddings``.
+        max_new_tokens: the most tokens to generate per sequence.
         placement, block: KV placement (see :class:`treeattn.ShardedKVCache`).
         do_sample, temperature, top_k, top_p, typical_p, eta_cutoff: sampling through
             transformers' own logits warpers; one generator seeded with ``seed`` on every
             rank, so every rank draws the same token.
-        info: if a dict, receives ``ttft`` (s, prefill + first token), ``decode`` (list of s
-            per later token), measured on this rank, ``cache_bytes`` and ``last_logits``
-            (``[B, V]`` float32 logits of the last step).
+        stop_at_eos: stop a sequence at its first EOS token (as ``model.generate``): later
+            positions hold ``pad_token_id`` and generation ends when every sequence has
+            stopped. False: always ``max_new_tokens`` tokens.
+        eos_token_id: int or list of ints; default the model's ``generation_config`` (then
+            ``config``) EOS ids. pad_token_id: default the generation config's, else the
+            first EOS id.
+        prefill_chunk: prompt tokens per rank run through the model at a time (bounds the
+            prefill's activations); None: the whole share at once.
+        streamer: an object with ``put(ids)`` / ``end()`` (e.g. ``transformers.TextStreamer``
+            with ``skip_prompt=True``), called on the ranks that pass one: first with the
+            prompt ``[B, L]``, then with each step's tokens ``[B]``, then ``end()``.
+        info: if a dict, receives ``ttft`` (s, prefill + first token), ``prefill`` (s),
+            ``decode`` (list of s per later token), measured on this rank, ``cache_bytes``,
+            ``peak_bytes`` (this process's peak memory, see :func:`peak_memory_bytes`) and
+            ``last_logits`` (``[B, V]`` float32 logits of the last step).
         progress: a progress bar on rank 0.
 
     Returns:
-        ``[B, max_new_tokens]`` int64 new tokens, identical on every rank.
+        ``[B, n]`` int64 new tokens, ``n <= max_new_tokens``, identical on every rank.
+
+    Raises:
+        ValueError: on every rank, when any rank's arguments are invalid or differ.
     """
     rank, p = world(group)
-    err, lens = None, None
+    err, lens, eos, pad = None, None, [], 0
     try:  # local checks; the verdict is shared below so a bad argument on one rank fails all
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
@@ -121,26 +194,38 @@ def generate(
             raise ValueError(f"input_ids must be [B, L] with L >= 1, got {tuple(input_ids.shape)}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1 or None, got {prefill_chunk}")
         lens = _prompt_lens(input_ids, attention_mask)
         if bool((lens < 1).any()):
             raise ValueError(f"every prompt needs at least one token, got lengths {lens.tolist()}")
+        max_pos = getattr(model.config, "max_position_embeddings", None)
+        if max_pos and input_ids.shape[1] + max_new_tokens > max_pos:
+            L0 = input_ids.shape[1]
+            room = f"at most {max_pos - L0} new tokens" if L0 < max_pos else "a prompt shorter than that"
+            raise ValueError(
+                f"the prompt has {L0} tokens and max_new_tokens is {max_new_tokens}, but the model supports "
+                f"{max_pos} positions (max_position_embeddings): ask for {room}"
+            )
+        eos = _eos_ids(model, eos_token_id, stop_at_eos)
+        pad = _pad_id(model, pad_token_id, eos)
     except ValueError as e:
         err = str(e)
     ok = err is None
     B, L = tuple(input_ids.shape[:2]) if ok else (-1, -1)
-    ids_cpu = input_ids.detach().cpu().to(torch.int64)
     fields = {
         "B": B,
         "L": L,
-        "input_ids checksum": int(((ids_cpu + 1) * torch.arange(1, ids_cpu.numel() + 1).view(B, L)).sum() % (1 << 61))
-        if ok
-        else -1,
+        "input_ids checksum": _checksum(input_ids) if ok else -1,
         "prompt lengths checksum": int((lens * torch.arange(1, B + 1)).sum()) if ok else -1,
         "max_new_tokens": max_new_tokens,
         "attention": ATTENTIONS.index(attention) if attention in ATTENTIONS else -1,
         "do_sample": int(do_sample),
         "seed": seed,
         "temperature": float_bits(temperature),
+        "eos ids checksum": _checksum(torch.tensor(eos, dtype=torch.int64)) if ok else -1,
+        "pad_token_id": pad,
+        "prefill_chunk": prefill_chunk or 0,
     }
     agree(fields, err, group=group, show={"temperature": "float", "attention": dict(enumerate(ATTENTIONS))})
 
@@ -170,23 +255,108 @@ def generate(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=max_new_tokens, desc="tokens", unit="tok")
-    out = torch.empty(B, max_new_tokens, dtype=torch.int64, device=device)
+    out = torch.full((B, max_new_tokens), pad, dtype=torch.int64, device=device)
     seqs = input_ids.clone()
+    eos_t = torch.tensor(eos, dtype=torch.int64, device=device)
+    live = torch.ones(B, dtype=torch.bool, device=device)  # sequences that have not emitted EOS
 
     def pick(logits: Tensor) -> Tensor:
         if not do_sample:
-            return logits.argmax(-1)
-        scores = procs(seqs, logits)
-        return torch.multinomial(torch.softmax(scores, -1), 1, generator=gen).squeeze(1)
+            tok = logits.argmax(-1)
+        else:
+            scores = procs(seqs, logits)
+            tok = torch.multinomial(torch.softmax(scores, -1), 1, generator=gen).squeeze(1)
+        return torch.where(live, tok, pad) if len(eos) else tok
 
+    n_out = 0
     try:
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
         t0 = time.perf_counter()
-        mine = sharded.begin_prefill(lens, L)
-        n = len(mine)
-        positions = [sharded.placement.prompt_positions(r, L) for r in range(p)]
-        ctx = StepContext(sharded, "prefill", attention, strategy, group, positions=positions, n_real=n)
+        last = _prefill(decoder, cache, sharded, input_ids, lens, attention, strategy, group, prefill_chunk)
+        t_pre = time.perf_counter() - t0
+        logits = lm_logits(model, last.to(dtype))
+        tok = pick(logits)
+        steps = []
+        for t in range(max_new_tokens):
+            if t:
+                ts = time.perf_counter()
+                seqs = torch.cat([seqs, tok[:, None]], 1) if do_sample else seqs
+                pos = sharded.seq_lens.clone()
+                sharded.begin_decode_step()
+                ctx = StepContext(
+                    sharded, "decode", attention, strategy, group, kv_lens=sharded.kv_lens.clone().to(device)
+                )
+                cache.ctx = ctx
+                hidden = decoder(
+                    input_ids=tok[:, None],
+                    position_ids=pos[:, None].to(device),
+                    past_key_values=cache,
+                    use_cache=True,
+                    treeattn_ctx=ctx,
+                ).last_hidden_state
+                logits = lm_logits(model, hidden[:, -1])
+                tok = pick(logits)
+                steps.append(time.perf_counter() - ts)
+            else:
+                t1 = time.perf_counter()
+            out[:, t] = tok
+            n_out = t + 1
+            if streamer is not None:
+                streamer.put(tok.cpu())
+            if bar:
+                bar.update(1)
+            if len(eos):
+                live &= ~torch.isin(tok, eos_t)
+                if not bool(live.any()):  # tokens are identical on every rank: so is this exit
+                    break
+        if info is not None:
+            info.update(
+                ttft=t1 - t0,
+                prefill=t_pre,
+                decode=steps,
+                cache_bytes=sharded.memory_bytes(),
+                peak_bytes=peak_memory_bytes(device),
+                last_logits=logits,
+            )
+    finally:
+        cache.ctx = None
+        model.set_attn_implementation(prev_impl)
+        if bar:
+            bar.close()
+        if streamer is not None:
+            streamer.end()
+    return out[:, :n_out]
+
+
+def _prefill(decoder, cache, sharded, input_ids, lens, attention, strategy, group, chunk) -> Tensor:
+    """Run this rank's prompt share through ``decoder`` chunk by chunk; returns the float32
+    last hidden state of every sequence ``[B, hidden]`` (identical on every rank)."""
+    rank, p = world(group)
+    B, L = input_ids.shape
+    device = input_ids.device
+    sharded.begin_prefill(lens, L)
+    positions = [sharded.placement.prompt_positions(r, L) for r in range(p)]
+    C = chunk or max(1, max(len(x) for x in positions))
+    steps = -(-max(len(x) for x in positions) // C)  # the same on every rank
+    last = None
+    for c in range(steps):
+        s0 = c * C
+        q_pos = [x[s0 : s0 + C] for x in positions]
+        n = len(q_pos[rank])
+        ctx = StepContext(
+            sharded,
+            "prefill",
+            attention,
+            strategy,
+            group,
+            positions=[x[: s0 + C] for x in positions],
+            q_positions=q_pos,
+            n_real=n,
+            start=s0,
+        )
         cache.ctx = ctx
-        idx = mine if n else torch.zeros(1, dtype=torch.int64)  # a placeholder token keeps the model happy
+        idx = q_pos[rank] if n else torch.zeros(1, dtype=torch.int64)  # a placeholder keeps the model happy
         hidden = decoder(
             input_ids=input_ids[:, idx.to(device)],
             position_ids=idx[None, :].expand(B, -1).to(device),
@@ -194,42 +364,9 @@ def generate(
             use_cache=True,
             treeattn_ctx=ctx,
         ).last_hidden_state
-        rows, cols = torch.nonzero(mine[None, :] == (lens - 1)[:, None], as_tuple=True)  # who holds each last token
-        last = torch.zeros(B, hidden.shape[-1], dtype=torch.float32, device=device)
-        last[rows.to(device)] = hidden[rows.to(device), cols.to(device)].float()
-        last = all_reduce(last, dist.ReduceOp.SUM, group).to(hidden.dtype)
-        logits = lm_logits(model, last)
-        tok = pick(logits)
-        out[:, 0] = tok
-        t1 = time.perf_counter()
-        steps = []
-        if bar:
-            bar.update(1)
-        for t in range(1, max_new_tokens):
-            ts = time.perf_counter()
-            seqs = torch.cat([seqs, tok[:, None]], 1) if do_sample else seqs
-            pos = sharded.seq_lens.clone()
-            sharded.begin_decode_step()
-            ctx = StepContext(sharded, "decode", attention, strategy, group, kv_lens=sharded.kv_lens.clone().to(device))
-            cache.ctx = ctx
-            hidden = decoder(
-                input_ids=tok[:, None],
-                position_ids=pos[:, None].to(device),
-                past_key_values=cache,
-                use_cache=True,
-                treeattn_ctx=ctx,
-            ).last_hidden_state
-            logits = lm_logits(model, hidden[:, -1])
-            tok = pick(logits)
-            out[:, t] = tok
-            steps.append(time.perf_counter() - ts)
-            if bar:
-                bar.update(1)
-        if info is not None:
-            info.update(ttft=t1 - t0, decode=steps, cache_bytes=sharded.memory_bytes(), last_logits=logits)
-    finally:
-        cache.ctx = None
-        model.set_attn_implementation(prev_impl)
-        if bar:
-            bar.close()
-    return out
+        if last is None:
+            last = torch.zeros(B, hidden.shape[-1], dtype=torch.float32, device=device)
+        if n:  # who holds each sequence's last prompt token in this chunk
+            rows, cols = torch.nonzero(q_pos[rank][None, :] == (lens - 1)[:, None], as_tuple=True)
+            last[rows.to(device)] = hidden[rows.to(device), cols.to(device)].float()
+    return all_reduce(last, dist.ReduceOp.SUM, group)
