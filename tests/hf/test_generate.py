@@ -25,12 +25,11 @@ def same_on_all_ranks(t: torch.Tensor) -> bool:
     return all(torch.equal(x, t) for x in all_gather(t, None))
 
 
-def reference_tokens(model, ids):
-    # an explicit mask: generate would otherwise infer one from pad_token_id occurrences
-    mask = torch.ones_like(ids)
-    out = model.generate(
-        ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
+def reference_tokens(model, ids, new=NEW, **kw):
+    # an explicit mask: generate would otherwise infer one from pad_token_id occurrences;
+    # by default no EOS stop (random weights): every sequence runs to `new` tokens
+    kw = {"eos_token_id": None, "pad_token_id": 0, **kw}
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False, **kw)
     return out[:, ids.shape[1] :]
 
 
@@ -46,7 +45,9 @@ def greedy_worker(prompt_lens):
         m = models[kind]
         ids = torch.randint(0, m.config.vocab_size, (1, L), generator=torch.Generator().manual_seed(L))
         info = {}
-        out = generate(m, ids, max_new_tokens=NEW, placement=placement, attention=attention, info=info)
+        out = generate(
+            m, ids, max_new_tokens=NEW, placement=placement, attention=attention, info=info, stop_at_eos=False
+        )
         case = f"p={p} {kind} {placement} {attention} L={L}"
         assert out.shape == (1, NEW) and same_on_all_ranks(out), case
         if rank == 0:
@@ -80,19 +81,43 @@ def batch_and_sampling_worker():
     mask = (torch.arange(40)[None, :] < lens[:, None]).long()
     ids = ids * mask  # right padding with id 0
     for placement in ("contiguous", "interleaved"):
-        out = generate(m, ids, attention_mask=mask, max_new_tokens=NEW, placement=placement)
+        out = generate(m, ids, attention_mask=mask, max_new_tokens=NEW, placement=placement, stop_at_eos=False)
         assert same_on_all_ranks(out)
         if rank == 0:
             for b in range(3):
                 ref = reference_tokens(m, ids[b : b + 1, : lens[b]])
                 assert torch.equal(out[b : b + 1], ref), f"{placement} prompt {b}: {out[b].tolist()} != {ref.tolist()}"
+    # EOS: stop where model.generate stops. Make a token each sequence emits mid-way its EOS
+    # (the generation config's ids, as a user's trained model has them): a sequence that
+    # stopped is padded, generation ends when all have stopped.
+    free = [reference_tokens(m, ids[b : b + 1, : lens[b]])[0] for b in range(3)]
+    eos = [int(free[0][6]), int(free[1][4]), int(free[2][3])]
+    m.generation_config.eos_token_id, m.generation_config.pad_token_id = eos, 0
+    for attention in ("tree", "ring"):
+        out = generate(m, ids, attention_mask=mask, max_new_tokens=NEW, attention=attention, prefill_chunk=4)
+        assert same_on_all_ranks(out)
+        if rank == 0:
+            for b in range(3):
+                ref = m.generate(
+                    ids[b : b + 1, : lens[b]], attention_mask=mask[b : b + 1, : lens[b]], max_new_tokens=NEW,
+                    do_sample=False,
+                )[:, lens[b] :]  # fmt: skip
+                n = ref.shape[1]
+                assert torch.equal(out[b : b + 1, :n], ref), f"EOS {attention} prompt {b}: {out[b]} != {ref[0]}"
+                assert bool((out[b, n:] == 0).all()), f"EOS {attention} prompt {b}: not padded after EOS: {out[b]}"
+            first = [min([i for i, t in enumerate(f.tolist()) if t in eos] or [NEW - 1]) + 1 for f in free]
+            assert out.shape[1] == max(first) < NEW, (out.shape, first)
+    m.generation_config.eos_token_id, m.generation_config.pad_token_id = 2, None
     # sampling: same tokens on every rank and across two runs; other seed differs
-    kw = dict(max_new_tokens=NEW, do_sample=True, temperature=0.8, top_k=50, top_p=0.9, seed=7)
+    kw = dict(max_new_tokens=NEW, stop_at_eos=False, do_sample=True, temperature=0.8, top_k=50, top_p=0.9, seed=7)
     a = generate(m, ids[:1], **kw)
     b = generate(m, ids[:1], **kw)
     c = generate(m, ids[:1], **{**kw, "seed": 8})
     assert same_on_all_ranks(a) and torch.equal(a, b) and not torch.equal(a, c)
     t = generate(m, ids[:1], max_new_tokens=8, do_sample=True, typical_p=0.9, eta_cutoff=1e-3, seed=1)
+    # a prompt plus max_new_tokens beyond the model's positions: the same clear error on every rank
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        generate(m, ids[:1], max_new_tokens=m.config.max_position_embeddings)
     assert same_on_all_ranks(t)
     with pytest.raises(ValueError, match="right padding"):
         generate(m, ids, attention_mask=mask.flip(1), max_new_tokens=2)
@@ -112,7 +137,8 @@ def test_cli_generate_tiny_preset():
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
-    assert "identical to single-process model.generate" in r.stdout and "time to first token" in r.stdout
+    assert "identical to single-process model.generate" in r.stderr and "time to first token" in r.stderr
+    assert r.stdout.startswith("tokens[0]: [")  # stdout: the output only
 
 
 def test_cli_generate_local_model_dir(tmp_path):
@@ -128,4 +154,4 @@ def test_cli_generate_local_model_dir(tmp_path):
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
-    assert "identical to single-process model.generate" in r.stdout
+    assert "identical to single-process model.generate" in r.stderr

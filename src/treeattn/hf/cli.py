@@ -6,6 +6,7 @@ import argparse
 import os
 import statistics
 import sys
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -22,55 +23,184 @@ PRESETS: dict[str, tuple[str, dict]] = {
 def build_model(preset: str | None, model_dir: str | None, dtype: torch.dtype, seed: int = 0) -> tuple:
     """``(model, tokenizer or None)``: a preset with random weights (seeded: the same on every
     rank) or a local directory (safetensors only, nothing downloaded, no remote code)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     if model_dir:
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir, local_files_only=True, use_safetensors=True, trust_remote_code=False, dtype=dtype
-        )
-        tok = None
-        try:
-            from transformers import AutoTokenizer
+        from .models import load_model
 
-            tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
-        except Exception:
-            tok = None
-        return model.eval(), tok
+        return load_model(model_dir, dtype)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(preset_config(preset), dtype=dtype).eval(), None
+
+
+def preset_config(preset: str):
+    from transformers import AutoConfig
+
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {tuple(PRESETS)}, got {preset!r}")
     kind, kw = PRESETS[preset]
-    cfg = AutoConfig.for_model(kind, max_position_embeddings=1 << 20, initializer_range=0.2, **kw)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval(), None
+    return AutoConfig.for_model(kind, max_position_embeddings=1 << 20, initializer_range=0.2, **kw)
 
 
-def _prompt(a, tok, vocab: int) -> torch.Tensor:
-    if a.prompt is not None:
-        if tok is None:
-            raise ValueError("--prompt needs a tokenizer in --model; use --prompt-ids or --prompt-len")
-        return tok(a.prompt, return_tensors="pt").input_ids
-    if a.prompt_ids:
-        return torch.tensor([[int(x) for x in a.prompt_ids.split(",")]])
-    g = torch.Generator().manual_seed(a.seed + 1)
-    return torch.randint(0, vocab, (a.batch, a.prompt_len), generator=g)
+class UsageError(ValueError):
+    """A bad command line or input, reported as one line (no traceback)."""
 
 
-def worker(a: argparse.Namespace) -> None:
+@dataclass
+class Job:
+    """What every rank needs, prepared once (in the launcher, or on each rank under torchrun)."""
+
+    model_dir: str | None
+    ids: torch.Tensor
+    max_new_tokens: int
+    has_tokenizer: bool
+    notes: list[str] = field(default_factory=list)
+
+
+def _read_prompt_file(path: str) -> str:
+    if path == "-":
+        text = sys.stdin.read()
+        where = "standard input"
+    else:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except FileNotFoundError as e:
+            raise UsageError(f"--prompt-file {path}: no such file") from e
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--prompt-file {path}: cannot read it as UTF-8 text ({e})") from e
+        where = path
+    if not text.strip():
+        raise UsageError(f"--prompt-file: {where} is empty")
+    return text
+
+
+def _tokenize(a, tok) -> torch.Tensor:
+    text = _read_prompt_file(a.prompt_file) if a.prompt_file is not None else a.prompt
+    if tok is None:
+        raise UsageError("--prompt/--prompt-file need the model's tokenizer (none found); use --prompt-ids")
+    if a.chat:
+        if not getattr(tok, "chat_template", None):
+            raise UsageError("--chat: the model's tokenizer has no chat template")
+        msgs = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": text}]
+        enc = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        return enc["input_ids"]
+    return tok(text, return_tensors="pt").input_ids
+
+
+def prepare(a: argparse.Namespace, local_ranks: int) -> Job:
+    """Resolve the model, build the prompt and check that it fits, before any rank starts work."""
+    from transformers import AutoConfig
+
+    if a.system is not None and not a.chat:
+        raise UsageError("--system needs --chat")
+    if a.chat and a.prompt is None and a.prompt_file is None:
+        raise UsageError("--chat needs --prompt or --prompt-file")
+    if a.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+    model_dir, tok = None, None
+    if a.model:
+        from .models import ModelNotFound, resolve_model
+
+        try:
+            model_dir = str(resolve_model(a.model))
+        except ModelNotFound as e:
+            raise UsageError(str(e)) from e
+        cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+        if a.prompt is not None or a.prompt_file is not None:
+            from transformers import AutoTokenizer
+
+            try:
+                tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+            except Exception:
+                tok = None
+    else:
+        cfg = preset_config(a.preset)
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    if a.prompt is not None or a.prompt_file is not None:
+        ids = _tokenize(a, tok)
+    elif a.prompt_ids:
+        try:
+            ids = torch.tensor([[int(x) for x in a.prompt_ids.split(",")]])
+        except ValueError as e:
+            raise UsageError(f"--prompt-ids must be comma-separated integers, got {a.prompt_ids!r}") from e
+    else:
+        g = torch.Generator().manual_seed(a.seed + 1)
+        ids = torch.randint(0, text_cfg.vocab_size, (a.batch, a.prompt_len), generator=g)
+    if ids.numel() == 0:
+        raise UsageError("the prompt is empty")
+    if int(ids.max()) >= text_cfg.vocab_size or int(ids.min()) < 0:
+        raise UsageError(f"prompt token ids must lie in [0, {text_cfg.vocab_size}) (the model's vocabulary)")
+    notes, new = [], a.max_new_tokens
+    L = ids.shape[1]
+    max_pos = getattr(text_cfg, "max_position_embeddings", None)
+    if max_pos:
+        if L >= max_pos:
+            raise UsageError(
+                f"the prompt has {L:,} tokens but the model supports {max_pos:,} positions (max_position_embeddings): "
+                "shorten the prompt"
+            )
+        if L + new > max_pos:
+            new = max_pos - L
+            notes.append(f"max_new_tokens lowered to {new} (the model supports {max_pos:,} positions)")
+    _check_fit(a, cfg, L, new, ids.shape[0], local_ranks)
+    return Job(model_dir, ids, new, tok is not None, notes)
+
+
+def _check_fit(a, cfg, L: int, new: int, batch: int, local_ranks: int) -> None:
+    from .models import available_memory, memory_plan
+
+    p = a.nproc if "WORLD_SIZE" not in os.environ else int(os.environ["WORLD_SIZE"])
+    plan = memory_plan(cfg, prompt_len=L, max_new_tokens=new, nproc=p, batch=batch, dtype=getattr(torch, a.dtype),
+                       prefill_chunk=a.prefill_chunk or None)  # fmt: skip
+    gib = 2.0**30
+    if a.device == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda, but torch sees no CUDA device")
+        free = torch.cuda.mem_get_info()[0]
+        need, where = plan["total"], "this GPU"
+    else:
+        free = available_memory()
+        need, where = plan["total"] * local_ranks, f"this host ({local_ranks} ranks)"
+    if free is not None and need > 0.9 * free:
+        raise UsageError(
+            f"does not fit: ~{plan['total'] / gib:.1f} GiB per rank (weights {plan['weights'] / gib:.1f}, KV cache "
+            f"{plan['kv_cache'] / gib:.1f}, activations {plan['activations'] / gib:.1f}) = {need / gib:.1f} GiB on "
+            f"{where}, {free / gib:.1f} GiB available. Spread the ranks over more hosts/devices, shorten the prompt, "
+            "or use --dtype bfloat16"
+        )
+
+
+def worker(a: argparse.Namespace, job: Job | None = None) -> None:
     from .generate import generate
 
-    rank = dist.get_rank()
+    rank, p = dist.get_rank(), dist.get_world_size()
+    if job is None:  # under torchrun every rank prepares its own (identical) job
+        job = prepare(a, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     dtype = getattr(torch, a.dtype)
-    model, tok = build_model(a.preset, a.model, dtype, a.seed)
-    ids = _prompt(a, tok, model.config.vocab_size)
+    model, tok = build_model(a.preset, job.model_dir, dtype, a.seed)
+    ids = job.ids
     if a.device == "cuda":  # one GPU per rank (untested here: CI has no GPU)
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(dev)
         model, ids = model.to(dev), ids.to(dev)
+    what = a.model or a.preset
+    if rank == 0:
+        say(f"model {what}, {a.dtype}, p={p}, prompt {tuple(ids.shape)}, attention={a.attention}, "
+            f"placement={a.placement}")  # fmt: skip
+        for n in job.notes:
+            say(f"note: {n}")
+    stream = rank == 0 and tok is not None and job.has_tokenizer and ids.shape[0] == 1 and not a.no_stream
+    streamer = None
+    if stream:
+        from transformers import TextStreamer
+
+        streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
     timings: dict = {}
     out = generate(
         model,
         ids,
-        max_new_tokens=a.max_new_tokens,
+        max_new_tokens=job.max_new_tokens,
         placement=a.placement,
         block=a.block,
         attention=a.attention,
@@ -80,63 +210,90 @@ def worker(a: argparse.Namespace) -> None:
         top_k=a.top_k,
         top_p=a.top_p,
         seed=a.seed,
+        stop_at_eos=not a.ignore_eos,
+        prefill_chunk=a.prefill_chunk or None,
+        streamer=streamer,
         info=timings,
         progress=a.progress,
     )
-    t = torch.tensor([timings["ttft"], statistics.median(timings["decode"]) if timings["decode"] else 0.0])
+    dec = timings["decode"]
+    t = torch.tensor([timings["ttft"], timings["prefill"], sum(dec), statistics.median(dec) if dec else 0.0])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+    mem = torch.tensor([timings["cache_bytes"]["used"], timings["cache_bytes"]["allocated"], timings["peak_bytes"]])
+    mems = [torch.zeros_like(mem) for _ in range(p)]
+    dist.all_gather(mems, mem)
     same = torch.tensor([1 if a.compare_single else 0])
     if a.compare_single and rank == 0:
+        kw = {} if not a.ignore_eos else {"eos_token_id": None}
         ref = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),  # else generate infers padding from pad_token_id
-            max_new_tokens=a.max_new_tokens,
+            max_new_tokens=job.max_new_tokens,
             do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
+            **kw,
         )[:, ids.shape[1] :]
         same[0] = int(torch.equal(ref, out))
     if rank != 0:
         return
-    p = dist.get_world_size()
-    what = a.model or a.preset
-    print(
-        f"model {what}, {a.dtype}, p={p}, prompt {tuple(ids.shape)}, attention={a.attention}, placement={a.placement}"
+    if not stream:
+        for b in range(out.shape[0]):
+            text = f"  {tok.decode(out[b], skip_special_tokens=True)!r}" if tok is not None else ""
+            print(f"tokens[{b}]: {out[b].tolist()}{text}", flush=True)
+    n_new = out.shape[1]
+    rate = f"{(n_new - 1) / float(t[2]):.1f} tok/s" if n_new > 1 and float(t[2]) > 0 else "- tok/s"
+    mib = 2.0**20
+    say(
+        f"prompt {ids.shape[1]:,} tokens, {n_new} new tokens; time to first token {t[0] * 1e3:.1f} ms (prefill "
+        f"{t[1] * 1e3:.1f} ms); decode {rate}, {t[3] * 1e3:.2f} ms/token (median over {len(dec)} steps, max over ranks)"
     )
-    for b in range(out.shape[0]):
-        text = f"  {tok.decode(out[b])!r}" if tok is not None else ""
-        print(f"tokens[{b}]: {out[b].tolist()}{text}")
-    print(
-        f"time to first token {t[0] * 1e3:.1f} ms; decode {t[1] * 1e3:.2f} ms/token (median over {len(timings['decode'])} steps, max over ranks)"
-    )
-    mem = timings["cache_bytes"]
-    print(f"KV cache on rank 0: {mem['used'] / 2**20:.1f} MiB used of {mem['allocated'] / 2**20:.1f} MiB allocated")
+    say("per rank: KV cache " + ", ".join(f"{int(m[0]) / mib:.1f}" for m in mems) + " MiB used (allocated "
+        + ", ".join(f"{int(m[1]) / mib:.1f}" for m in mems) + " MiB); peak memory "
+        + ", ".join(f"{int(m[2]) / mib:.0f}" for m in mems) + " MiB")  # fmt: skip
     if a.compare_single:
         if same[0]:
-            print("compare-single: identical to single-process model.generate")
+            say("compare-single: identical to single-process model.generate")
         else:
-            print("compare-single: MISMATCH against single-process model.generate")
+            say("compare-single: MISMATCH against single-process model.generate")
             raise SystemExit(2)
 
 
+def say(msg: str) -> None:
+    """Status lines go to stderr: stdout carries only the generated text (or token ids)."""
+    print(msg, file=sys.stderr, flush=True)
+
+
 def add_parser(sub) -> None:
-    g = sub.add_parser("generate", help="generate with a transformers model whose KV cache is sharded across ranks")
+    g = sub.add_parser(
+        "generate",
+        help="generate with a transformers model whose KV cache is sharded across ranks",
+        description="Generate with a transformers model whose KV cache is sharded across ranks. The generated "
+        "text streams to stdout (rank 0); status and statistics go to stderr.",
+    )
     src = g.add_mutually_exclusive_group()
-    src.add_argument("--model", help="local model directory (safetensors weights; nothing is downloaded)")
+    src.add_argument(
+        "--model",
+        help="a local model directory (safetensors), a .gguf file (converted once into ~/.cache/treeattn), or a hub "
+        "id (from the local hub cache, else downloaded: config, tokenizer, safetensors)",
+    )
     src.add_argument(
         "--preset", default="tiny-llama", choices=list(PRESETS), help="random-weight config (default tiny-llama)"
     )
     pr = g.add_mutually_exclusive_group()
     pr.add_argument("--prompt", help="text (needs the model's tokenizer)")
+    pr.add_argument("--prompt-file", help="a text file to use as the prompt (a long document); - reads stdin")
     pr.add_argument("--prompt-ids", help="comma-separated token ids")
     pr.add_argument("--prompt-len", type=int, default=64, help="random prompt of this length (default 64)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template (user turn)")
+    g.add_argument("--system", help="system message for --chat")
     g.add_argument("--batch", type=int, default=1, help="random prompts in the batch (with --prompt-len)")
     g.add_argument("--nproc", type=int, default=2, help="local ranks to launch (ignored under torchrun)")
-    g.add_argument("--max-new-tokens", type=int, default=24)
+    g.add_argument("--max-new-tokens", type=int, default=128, help="at most this many (stops at EOS; default 128)")
+    g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     g.add_argument("--attention", choices=["tree", "ring"], default="tree")
     g.add_argument("--strategy", default="auto")
     g.add_argument("--placement", choices=["interleaved", "contiguous"], default="interleaved")
     g.add_argument("--block", type=int, default=1)
+    g.add_argument("--prefill-chunk", type=int, default=1024, help="prompt tokens per rank per prefill step (0: all)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     g.add_argument("--sample", action="store_true", help="sample instead of greedy")
     g.add_argument("--temperature", type=float, default=1.0)
@@ -146,27 +303,41 @@ def add_parser(sub) -> None:
     g.add_argument("--threads", type=int, default=1)
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, NCCL (torchrun)")
     g.add_argument("--timeout", type=float, default=3600.0)
+    g.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming it")
     g.add_argument("--compare-single", action="store_true", help="check tokens against single-process model.generate")
     g.add_argument("--progress", action="store_true", help="progress bar on rank 0")
     g.set_defaults(func=run)
 
 
 def run(a: argparse.Namespace) -> int:
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():  # under torchrun
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized()
+    if torchrun:
+        if a.prompt_file == "-":
+            print("treeattn generate: --prompt-file - (stdin) needs the local launcher, not torchrun", file=sys.stderr)
+            return 2
         torch.set_num_threads(a.threads)
         dist.init_process_group("nccl" if a.device == "cuda" else "gloo")
         try:
             worker(a)
+        except UsageError as e:
+            if dist.get_rank() == 0:
+                print(f"treeattn generate: {e}", file=sys.stderr)
+            return 2
         finally:
             dist.destroy_process_group()
         return 0
     from ..launch import LaunchError, launch
 
     try:
+        job = prepare(a, a.nproc)
+    except UsageError as e:
+        print(f"treeattn generate: {e}", file=sys.stderr)
+        return 2
+    try:
         launch(
             worker,
             a.nproc,
-            (a,),
+            (a, job),
             threads=a.threads,
             timeout=a.timeout,
             backend="nccl" if a.device == "cuda" else "gloo",

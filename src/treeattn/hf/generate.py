@@ -71,7 +71,7 @@ def _eos_ids(model: torch.nn.Module, eos_token_id, stop_at_eos: bool) -> list[in
         gc = getattr(model, "generation_config", None)
         eos_token_id = getattr(gc, "eos_token_id", None) if gc is not None else None
         if eos_token_id is None:
-            eos_token_id = getattr(model.config, "eos_token_id", None)
+            eos_token_id = getattr(getattr(model, "config", None), "eos_token_id", None)
     if eos_token_id is None:
         return []
     ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
@@ -199,7 +199,7 @@ def generate(
         lens = _prompt_lens(input_ids, attention_mask)
         if bool((lens < 1).any()):
             raise ValueError(f"every prompt needs at least one token, got lengths {lens.tolist()}")
-        max_pos = getattr(model.config, "max_position_embeddings", None)
+        max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         if max_pos and input_ids.shape[1] + max_new_tokens > max_pos:
             L0 = input_ids.shape[1]
             room = f"at most {max_pos - L0} new tokens" if L0 < max_pos else "a prompt shorter than that"
