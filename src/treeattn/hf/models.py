@@ -171,7 +171,9 @@ def load_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32)
     """``(model in eval mode, tokenizer or None)`` from a local directory: safetensors only,
     nothing downloaded, no remote code."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # one bar per rank would interleave on the terminal
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, local_files_only=True, use_safetensors=True, trust_remote_code=False, dtype=dtype
     )
