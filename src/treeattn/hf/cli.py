@@ -103,7 +103,7 @@ def prepare(a: argparse.Namespace, local_ranks: int) -> Job:
         from .models import ModelNotFound, resolve_model
 
         try:
-            model_dir = str(resolve_model(a.model))
+            model_dir = str(resolve_model(a.model, log=say))
         except ModelNotFound as e:
             raise UsageError(str(e)) from e
         cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -32,7 +33,7 @@ def _looks_like_path(spec: str) -> bool:
     return spec.startswith(("/", ".", "~")) or spec.endswith(".gguf") or spec.count("/") > 1 or "\\" in spec
 
 
-def resolve_model(spec: str, *, cache_dir: str | os.PathLike | None = None) -> Path:
+def resolve_model(spec: str, *, cache_dir: str | os.PathLike | None = None, log=None) -> Path:
     """A local directory holding ``config.json``, safetensors weights and (if any) the
     tokenizer for ``spec``:
 
@@ -56,7 +57,7 @@ def resolve_model(spec: str, *, cache_dir: str | os.PathLike | None = None) -> P
     if path.is_file():
         if path.suffix.lower() != ".gguf" and not _is_gguf(path):
             raise ModelNotFound(f"--model {spec}: a file, but not a GGUF file; pass a model directory or a .gguf file")
-        return convert_gguf(path, cache_dir=cache_dir)
+        return convert_gguf(path, cache_dir=cache_dir, log=log)
     if path.exists():
         raise ModelNotFound(f"--model {spec}: neither a directory nor a file")
     if _looks_like_path(spec):
@@ -82,11 +83,12 @@ def _is_gguf(path: Path) -> bool:
         return False
 
 
-def convert_gguf(path: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None) -> Path:
+def convert_gguf(path: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None, log=None) -> Path:
     """Convert a GGUF file once into a float32 safetensors model directory (with its
     tokenizer and chat template) and return that directory; later calls return the cached
     one. The conversion is written to a temporary directory and renamed into place, so
-    concurrent callers never see half a model."""
+    concurrent callers never see half a model. ``log``: optional ``callable(str)`` told when
+    a conversion starts and ends (transformers' progress bars show only on a terminal)."""
     path = Path(path).expanduser().resolve()
     try:
         st = path.stat()
@@ -105,9 +107,23 @@ def convert_gguf(path: str | os.PathLike, *, cache_dir: str | os.PathLike | None
         import gguf  # noqa: F401
     except ImportError as e:
         raise ModelNotFound(f"--model {path}: reading GGUF files needs the 'gguf' package (pip install gguf)") from e
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import sys
 
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    if log is not None:
+        log(f"converting {path.name} to a float32 safetensors model once (cache: {out}) ...")
+    if not sys.stderr.isatty():  # no progress bars in logs; the GGUF reader uses a bare tqdm
+        hf_logging.disable_progress_bar()
     try:
+        from transformers import modeling_gguf_pytorch_utils as gg
+    except ImportError:
+        gg = None
+    bar = getattr(gg, "tqdm", None)
+    try:
+        if bar is not None:
+            gg.tqdm = functools.partial(bar, disable=None)  # disable=None: off when not a terminal
         kw = dict(gguf_file=path.name, local_files_only=True, trust_remote_code=False)
         model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kw)
         tok = AutoTokenizer.from_pretrained(path.parent, **kw)
@@ -115,6 +131,9 @@ def convert_gguf(path: str | os.PathLike, *, cache_dir: str | os.PathLike | None
         raise ModelNotFound(
             f"--model {path}: transformers could not read this GGUF file: {type(e).__name__}: {e}"
         ) from e
+    finally:
+        if bar is not None:
+            gg.tqdm = bar
     model.hf_quantizer = None  # the weights are dequantised float32 now: save them as such
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -131,6 +150,8 @@ def convert_gguf(path: str | os.PathLike, *, cache_dir: str | os.PathLike | None
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    if log is not None:
+        log("conversion done")
     return out
 
 
