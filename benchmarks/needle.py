@@ -40,7 +40,9 @@ def main() -> None:
         f.write(doc)
     print(f"document: {len(tok(doc).input_ids):,} tokens; fact at depth {a.depth}: {NEEDLE.format(code=7319)!r}")
     print(f"question: {QUESTION!r}\n")
-    print("| p | attention | prompt tokens | answer | matches single process | TTFT s | decode ms/token | peak MiB/rank |")
+    print(
+        "| p | attention | prompt tokens | answer | matches single process | TTFT s | decode ms/token | peak MiB/rank |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for p in a.nproc:
         cmd = [sys.executable, "-m", "treeattn", "generate", "--model", str(gguf), "--chat", "--prompt-file", f.name,
