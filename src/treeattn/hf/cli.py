@@ -19,9 +19,11 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "tiny-mistral": ("mistral", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, vocab_size=512, sliding_window=16)),
     "tiny-qwen2-swa": ("qwen2", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, vocab_size=512, use_sliding_window=True, sliding_window=16, max_window_layers=1)),
     # Gemma-2: alternating sliding/full layers, attention-logit and final-logit softcapping
-    "tiny-gemma2": ("gemma2", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512, sliding_window=16, query_pre_attn_scalar=32, attn_logit_softcapping=4.0, final_logit_softcapping=30.0)),
-    # Gemma-3 (text): 5 sliding layers per full one, local/global RoPE, q/k norms
-    "tiny-gemma3": ("gemma3_text", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512, sliding_window=16, query_pre_attn_scalar=32, sliding_window_pattern=2)),
+    # (scores large enough for the softcap to bite; Gemma's sqrt(hidden) embedding scale needs
+    # small weights, else random models emit one token forever)
+    "tiny-gemma2": ("gemma2", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512, sliding_window=16, query_pre_attn_scalar=1, attn_logit_softcapping=4.0, final_logit_softcapping=30.0, initializer_range=0.03)),
+    # Gemma-3 (text): sliding and full layers alternating, local/global RoPE, q/k norms
+    "tiny-gemma3": ("gemma3_text", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512, sliding_window=16, query_pre_attn_scalar=32, sliding_window_pattern=2, initializer_range=0.02)),
     "small-llama": ("llama", dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, vocab_size=4096)),
 }  # fmt: skip
 
@@ -45,7 +47,7 @@ def preset_config(preset: str):
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {tuple(PRESETS)}, got {preset!r}")
     kind, kw = PRESETS[preset]
-    return AutoConfig.for_model(kind, max_position_embeddings=1 << 20, initializer_range=0.2, **kw)
+    return AutoConfig.for_model(kind, **{"max_position_embeddings": 1 << 20, "initializer_range": 0.2, **kw})
 
 
 class UsageError(ValueError):
