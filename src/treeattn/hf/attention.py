@@ -98,8 +98,9 @@ def treeattn_attention(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[Tensor, None]:
-    """transformers attention function: ring prefill, then Tree (or Ring) decoding over the
-    sharded cache. ``query [B, Hq, T, D]``; returns ``[B, T, Hq, D]``."""
+    """transformers attention function: Tree (or Ring) prefill, then Tree (or Ring) decoding
+    over the sharded cache, honouring the layer's ``sliding_window`` (on global positions)
+    and ``softcap``. ``query [B, Hq, T, D]``; returns ``[B, T, Hq, D]``."""
     ctx: StepContext | None = kwargs.get("treeattn_ctx")
     if ctx is None:
         raise RuntimeError("the 'treeattn' attention implementation runs inside treeattn.hf.generate")

@@ -184,7 +184,10 @@ def generate(
         ``[B, n]`` int64 new tokens, ``n <= max_new_tokens``, identical on every rank.
 
     Raises:
-        ValueError: on every rank, when any rank's arguments are invalid or differ.
+        ValueError: on every rank, when any rank's arguments are invalid or differ, or the
+            model cannot be run exactly (:func:`treeattn.hf.unsupported_reason`: the message
+            names the family and why; also a model whose attention bypasses transformers'
+            attention interface).
     """
     rank, p = world(group)
     err, lens, eos, pad = None, None, [], 0
