@@ -135,7 +135,13 @@ def test_unsupported_reason():
 
     from treeattn.hf import unsupported_reason
 
-    for cfg in (MistralConfig(), Qwen2Config(use_sliding_window=True), Gemma2Config(), Gemma3TextConfig(), LlamaConfig()):
+    for cfg in (
+        MistralConfig(),
+        Qwen2Config(use_sliding_window=True),
+        Gemma2Config(),
+        Gemma3TextConfig(),
+        LlamaConfig(),
+    ):
         assert unsupported_reason(cfg) is None, type(cfg).__name__
     assert MistralConfig().sliding_window == 4096
     refused = {

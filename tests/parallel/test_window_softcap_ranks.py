@@ -37,6 +37,23 @@ def close(out, lse, args, what):
     assert e <= 2 * ep + 1e-5, f"{what}: lse error {e:.3g} > 2 x plain torch {ep:.3g}"
 
 
+def kernel_calls(run) -> int:
+    """How many local attention kernels (torch or flash_cpu path) ``run()`` started."""
+    import treeattn.ops.attention as A
+
+    calls, real = [], (A._chunked, A._flash_cpu)
+
+    def counted(fn):
+        return lambda *a, **kw: calls.append(1) or fn(*a, **kw)
+
+    A._chunked, A._flash_cpu = counted(real[0]), counted(real[1])
+    try:
+        run()
+    finally:
+        A._chunked, A._flash_cpu = real
+    return len(calls)
+
+
 def same_everywhere(t: torch.Tensor) -> bool:
     bufs = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(bufs, t.contiguous())
@@ -54,7 +71,6 @@ DECODE = [  # (window, softcap, dtype, (Hq, Hkv), Tq)
 
 
 def decode_worker() -> None:
-    import treeattn.ops.attention as A
     from treeattn import ring_decode, tree_decode
     from treeattn.cache import ShardedKVCache
 
@@ -103,19 +119,12 @@ def decode_worker() -> None:
                 assert same_everywhere(torch.cat([out.float().flatten(), lse.flatten()])), what
             # a rank whose keys all lie outside the window runs no kernel (Tq = 1: no new tokens)
             if Tq == 1 and placement == "contiguous" and W <= 8:
-                calls = []
-                real = (A._chunked, A._flash_cpu)
-                A._chunked = lambda *a, **k_: calls.append(1) or real[0](*a, **k_)
-                A._flash_cpu = lambda *a, **k_: calls.append(1) or real[1](*a, **k_)
-                try:
-                    tree_decode(q, k, v, **kw)
-                finally:
-                    A._chunked, A._flash_cpu = real
+                calls = kernel_calls(lambda: tree_decode(q, k, v, **kw))  # noqa: B023
                 start = kw["kv_start"].cpu()
                 outside = bool((start >= kv_lens.cpu()).all())
                 if W == 3 and rank == 0:  # both windows (positions >= 20) lie past rank 0's chunk
                     assert outside, f"{what}: start {start.tolist()} lens {kv_lens.tolist()}"
-                assert len(calls) == (0 if outside else 1), f"{what}: {len(calls)} kernel calls"
+                assert calls == (0 if outside else 1), f"{what}: {calls} kernel calls"
     # ranks that disagree on softcap or on kv_start's presence: the same error everywhere
     q = torch.randn(1, 4, 1, D)
     k = v = torch.randn(1, 2, 5, D)
