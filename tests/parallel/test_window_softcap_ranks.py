@@ -182,7 +182,7 @@ def prefill_worker() -> None:
         close(out, lse, ref_args, f"{what} tree chunk")
 
 
-def both(decode: bool = True) -> None:
+def both() -> None:
     decode_worker()
     prefill_worker()
 

@@ -181,7 +181,7 @@ def _attention(
         backend = _pick_backend(q, k, v)
     if softcap is not None and backend == "flash_cpu":
         backend = "torch"  # the fused kernel cannot softcap its scores
-    G = Hkv and Hq // Hkv
+    G = Hq // Hkv
     # every row's visible keys are [lo, hi) (AND the optional dense mask), computed here only
     lo, hi = _row_bounds(B, Tq, G, S, kv_lens, causal, kv_start, kv_end, q.device)
     lo, hi, span, seq = _trim(lo, hi, S, B)
