@@ -179,6 +179,25 @@ class ShardedKVCache:
             self.k[layer][r, :, s] = k[r, :, 0]
             self.v[layer][r, :, s] = v[r, :, 0]
 
+    def slots_before(self, bound: Tensor | int) -> Tensor:
+        """Per sequence, how many of this rank's valid slots hold a global position
+        ``< bound[b]`` (``bound``: int or ``[B]`` integer). Local slots are in increasing
+        position order (both placements), so this is the first slot at or after the bound:
+        the ``kv_start`` of a sliding window. ``[B]`` int64 on the host (no device sync)."""
+        bound = torch.as_tensor(bound, dtype=torch.int64).expand(self.B)
+        pos = self.positions[:, : self.used]
+        valid = torch.arange(pos.shape[1])[None, :] < self.kv_lens[:, None]
+        return ((pos < bound[:, None]) & valid).sum(1)
+
+    def window_start(self, window: int | None, q_pos: Tensor) -> Tensor | None:
+        """``kv_start`` (``[B]`` int64, on the cache's device) of queries at global positions
+        ``q_pos [B]`` (host) under a sliding window: a query at ``P`` sees the keys at
+        ``P - window < pos <= P`` (transformers' ``sliding_window``); None without a window
+        (the same on every rank, as the collective decode functions need)."""
+        if window is None:
+            return None
+        return self.slots_before(q_pos.to(torch.int64) - window + 1).to(self.device, non_blocking=True)
+
     def local(self, layer: int, stop: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """``(k, v, kv_lens)``: this rank's shard ``[B, Hkv, used, D]`` (views, no copy) and
         the valid length per sequence ``[B]`` on the cache's device — what

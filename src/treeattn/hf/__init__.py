@@ -2,6 +2,7 @@
 a Cache over :class:`treeattn.ShardedKVCache`, and :func:`generate` across ranks."""
 
 from .attention import ATTN_NAME, StepContext, TreeAttnCache, treeattn_attention
+from .families import unsupported_reason
 from .generate import generate
 
-__all__ = ["ATTN_NAME", "StepContext", "TreeAttnCache", "generate", "treeattn_attention"]
+__all__ = ["ATTN_NAME", "StepContext", "TreeAttnCache", "generate", "treeattn_attention", "unsupported_reason"]

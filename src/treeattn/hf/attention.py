@@ -12,6 +12,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..cache import ShardedKVCache
 from ..parallel import ring_decode, ring_prefill, tree_decode, tree_prefill
+from .families import layer_window
 
 ATTN_NAME = "treeattn"
 
@@ -31,6 +32,16 @@ class StepContext:
     n_real: int = 0  # prefill: real tokens of this rank in this chunk (the rest is a placeholder)
     start: int = 0  # prefill: this rank's first slot of this chunk
     kv_lens: Tensor | None = None  # decode: local valid lengths on the device
+    q_pos: Tensor | None = None  # decode: global position of each sequence's new token [B] (host)
+    starts: dict = field(default_factory=dict)  # decode: kv_start per sliding window (computed once per step)
+
+    def window_start(self, window: int | None) -> Tensor | None:
+        """Decode: this rank's first visible slot per sequence under ``window`` (None: no window)."""
+        if window is None:
+            return None
+        if window not in self.starts:
+            self.starts[window] = self.cache.window_start(window, self.q_pos)
+        return self.starts[window]
 
 
 class _Layer(CacheLayerMixin):
@@ -87,22 +98,30 @@ def treeattn_attention(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[Tensor, None]:
-    """transformers attention function: ring prefill, then Tree (or Ring) decoding over the
-    sharded cache. ``query [B, Hq, T, D]``; returns ``[B, T, Hq, D]``."""
+    """transformers attention function: Tree (or Ring) prefill, then Tree (or Ring) decoding
+    over the sharded cache, honouring the layer's ``sliding_window`` (on global positions)
+    and ``softcap``. ``query [B, Hq, T, D]``; returns ``[B, T, Hq, D]``."""
     ctx: StepContext | None = kwargs.get("treeattn_ctx")
     if ctx is None:
         raise RuntimeError("the 'treeattn' attention implementation runs inside treeattn.hf.generate")
-    if kwargs.get("sliding_window") is not None:
-        raise ValueError("treeattn does not support sliding-window attention layers")
-    if kwargs.get("softcap") is not None:
-        raise ValueError("treeattn does not support attention logit softcapping")
+    _refuse(module, dropout, kwargs)
+    window = layer_window(module, kwargs)
+    softcap = kwargs.get("softcap")
     if ctx.mode == "prefill":
         n, rank = ctx.n_real, ctx.cache.rank
         stop = len(ctx.positions[rank])  # this rank's keys up to and including this chunk (stored above)
         k, v, _ = ctx.cache.local(module.layer_idx, stop)
         if ctx.attention == "ring":
             out = ring_prefill(
-                query[:, :, :n], k, v, ctx.positions, group=ctx.group, scale=scaling, q_positions=ctx.q_positions[rank]
+                query[:, :, :n],
+                k,
+                v,
+                ctx.positions,
+                group=ctx.group,
+                scale=scaling,
+                q_positions=ctx.q_positions[rank],
+                window=window,
+                softcap=softcap,
             )
         else:
             out = tree_prefill(
@@ -114,18 +133,31 @@ def treeattn_attention(
                 group=ctx.group,
                 scale=scaling,
                 strategy=ctx.strategy,
+                window=window,
+                softcap=softcap,
             )
         if n < query.shape[2]:  # placeholder token of a rank that holds no prompt token
             out = torch.cat([out, out.new_zeros(*out.shape[:2], query.shape[2] - n, out.shape[3])], 2)
     else:
         k, v, _ = ctx.cache.local(module.layer_idx)
+        kw = dict(kv_lens=ctx.kv_lens, kv_start=ctx.window_start(window), softcap=softcap, group=ctx.group)
         if ctx.attention == "ring":
-            out = ring_decode(query, k, v, kv_lens=ctx.kv_lens, group=ctx.group, scale=scaling, check=False)
+            out = ring_decode(query, k, v, scale=scaling, check=False, **kw)
         else:
-            out = tree_decode(
-                query, k, v, kv_lens=ctx.kv_lens, group=ctx.group, scale=scaling, strategy=ctx.strategy, check=False
-            )
+            out = tree_decode(query, k, v, scale=scaling, strategy=ctx.strategy, check=False, **kw)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _refuse(module: torch.nn.Module, dropout: float, kwargs: dict) -> None:
+    """What the layer asks for that treeattn cannot do exactly (the config was checked by
+    :func:`treeattn.hf.unsupported_reason`; this catches what only the layer knows)."""
+    name = type(module).__name__
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise ValueError(f"{name}: attention sinks are not supported by treeattn")
+    if getattr(module, "is_causal", True) is False:
+        raise ValueError(f"{name}: non-causal (bidirectional) attention is not supported by treeattn")
+    if dropout:
+        raise ValueError(f"{name}: attention dropout {dropout} (training mode) is not supported; call model.eval()")
 
 
 AttentionInterface.register(ATTN_NAME, treeattn_attention)

@@ -20,6 +20,7 @@ from ..cache import ShardedKVCache
 from ..comm.collectives import all_reduce, world
 from ..comm.validate import agree, float_bits
 from .attention import ATTN_NAME, StepContext, TreeAttnCache
+from .families import unsupported_reason
 
 ATTENTIONS = ("tree", "ring")
 
@@ -183,11 +184,22 @@ def generate(
         ``[B, n]`` int64 new tokens, ``n <= max_new_tokens``, identical on every rank.
 
     Raises:
-        ValueError: on every rank, when any rank's arguments are invalid or differ.
+        ValueError: on every rank, when any rank's arguments are invalid or differ, or the
+            model cannot be run exactly (:func:`treeattn.hf.unsupported_reason`: the message
+            names the family and why; also a model whose attention bypasses transformers'
+            attention interface).
     """
     rank, p = world(group)
     err, lens, eos, pad = None, None, [], 0
     try:  # local checks; the verdict is shared below so a bad argument on one rank fails all
+        why = unsupported_reason(model.config, training=model.training)
+        if why is None and not getattr(model, "_supports_attention_backend", False):
+            why = (
+                f"{type(model).__name__}: its attention does not go through transformers' attention interface, "
+                "so treeattn cannot run it"
+            )
+        if why is not None:
+            raise ValueError(why)
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
         if input_ids.ndim != 2 or input_ids.shape[1] == 0:
@@ -285,7 +297,13 @@ def generate(
                 pos = sharded.seq_lens.clone()
                 sharded.begin_decode_step()
                 ctx = StepContext(
-                    sharded, "decode", attention, strategy, group, kv_lens=sharded.kv_lens.clone().to(device)
+                    sharded,
+                    "decode",
+                    attention,
+                    strategy,
+                    group,
+                    kv_lens=sharded.kv_lens.clone().to(device),
+                    q_pos=pos,
                 )
                 cache.ctx = ctx
                 hidden = decoder(

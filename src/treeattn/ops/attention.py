@@ -27,11 +27,13 @@ def check_attention_inputs(
     *,
     scale: float | None = None,
     check_values: bool = True,
+    kv_start: Tensor | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Raise ``ValueError`` (``TypeError`` for non-tensors) naming the argument, the
     expected and the actual value when the inputs do not follow the layout contract of
     :func:`attention_with_lse`. ``check_values`` also checks that q is finite and that
-    ``kv_lens`` lies in ``[0, S]`` (one host synchronisation)."""
+    ``kv_lens`` and ``kv_start`` lie in ``[0, S]`` (one host synchronisation)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -64,11 +66,35 @@ def check_attention_inputs(
             )
         if kv_lens.device != q.device:
             raise ValueError(f"kv_lens must be on q's device {q.device}, got {kv_lens.device}")
+    if softcap is not None and (
+        isinstance(softcap, bool)
+        or not isinstance(softcap, (int, float))
+        or not (math.isfinite(softcap) and softcap > 0)
+    ):
+        raise ValueError(f"softcap must be a finite float > 0 or None, got {softcap!r}")
+    if kv_start is not None:
+        if not isinstance(kv_start, Tensor):
+            raise TypeError(f"kv_start must be a torch.Tensor or None, got {type(kv_start).__name__}")
+        Tq = q.shape[2]
+        if (
+            kv_start.shape not in ((B,), (B, Tq))
+            or kv_start.is_floating_point()
+            or kv_start.is_complex()
+            or kv_start.dtype == torch.bool
+        ):
+            raise ValueError(
+                f"kv_start must be an integer tensor of shape [B]=({B},) or [B, Tq]=({B}, {Tq}), got "
+                f"{kv_start.dtype} {tuple(kv_start.shape)}"
+            )
+        if kv_start.device != q.device:
+            raise ValueError(f"kv_start must be on q's device {q.device}, got {kv_start.device}")
     if check_values:
         if not bool(torch.isfinite(q).all()):
             raise ValueError("q contains NaN or inf")
         if kv_lens is not None and B and not bool(((kv_lens >= 0) & (kv_lens <= k.shape[2])).all()):
             raise ValueError(f"kv_lens must lie in [0, S={k.shape[2]}], got {kv_lens.tolist()}")
+        if kv_start is not None and kv_start.numel() and not bool(((kv_start >= 0) & (kv_start <= k.shape[2])).all()):
+            raise ValueError(f"kv_start must lie in [0, S={k.shape[2]}], got {kv_start.tolist()}")
 
 
 def attention_with_lse(
@@ -79,6 +105,8 @@ def attention_with_lse(
     scale: float | None = None,
     kv_lens: Tensor | None = None,
     causal: bool = False,
+    kv_start: Tensor | None = None,
+    softcap: float | None = None,
     backend: Backend = "auto",
 ) -> tuple[Tensor, Tensor]:
     """Exact attention of ``q`` over ``k``/``v`` that also returns the log-sum-exp.
@@ -93,6 +121,14 @@ def attention_with_lse(
             ``b`` are valid (ragged batches; 0 allowed). Default: all ``S``.
         causal: align the queries to the *end* of each sequence's valid keys (bottom-right,
             as flash-attn for Tq > 1): query ``i`` sees keys ``0 .. L - Tq + i``.
+        kv_start: optional integer ``[B]`` or ``[B, Tq]`` in ``[0, S]``, on q's device: the
+            first key each sequence (or each query) sees; keys below it are invisible — the
+            lower bound of a sliding window, as ``kv_lens``/``causal`` give the upper one.
+            On the CPU the keys outside every row's ``[kv_start, end)`` are not computed.
+        softcap: optional ``c > 0``: each scaled score ``s = scale * q.k`` becomes
+            ``c * tanh(s / c)`` before the softmax and the lse (Gemma-2 attention-logit
+            softcapping), so states of shards still merge exactly. The ``flash_cpu`` kernel
+            has no softcap: a call with ``softcap`` always runs the torch path.
         backend: ``"torch"`` (pure torch, chunked over S so the float32 score block stays
             under 32 MiB, any device), ``"flash_cpu"`` (PyTorch's fused CPU flash kernel,
             a private aten op; CPU, equal q/v head dims, S > 0), or ``"auto"`` (the faster
@@ -101,16 +137,19 @@ def attention_with_lse(
     Returns:
         ``(out, lse)``: ``out [B, Hq, Tq, Dv]`` in q's dtype and ``lse [B, Hq, Tq]``
         float32 (float64 for float64 inputs), natural log of the softmax denominator of
-        the *scaled* scores. A row with no visible key has out 0 and lse -inf.
+        the *scaled* (and softcapped) scores. A row with no visible key has out 0 and lse -inf.
 
     Raises:
-        ValueError: bad shapes, dtypes, devices, kv_lens out of range, non-finite q,
-            unknown backend. TypeError: a non-tensor argument.
+        ValueError: bad shapes, dtypes, devices, kv_lens or kv_start out of range, a
+            softcap that is not a finite positive float, non-finite q, unknown backend.
+            TypeError: a non-tensor argument.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    check_attention_inputs(q, k, v, kv_lens, scale=scale)
-    return _attention(q, k, v, scale=scale, kv_lens=kv_lens, causal=causal, backend=backend)
+    check_attention_inputs(q, k, v, kv_lens, scale=scale, kv_start=kv_start, softcap=softcap)
+    return _attention(
+        q, k, v, scale=scale, kv_lens=kv_lens, causal=causal, kv_start=kv_start, softcap=softcap, backend=backend
+    )
 
 
 def _attention(
@@ -124,10 +163,15 @@ def _attention(
     backend: str = "auto",
     mask: Tensor | None = None,
     keep_fp32: bool = False,
+    kv_start: Tensor | None = None,
+    kv_end: Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`attention_with_lse` without validation (callers have validated).
 
     ``mask``: optional bool ``[B or 1, Tq, S]``, True = visible, AND-ed with the rest.
+    ``kv_end``: optional integer ``[B]`` or ``[B, Tq]``, exclusive per-query upper bound
+    AND-ed with kv_lens/causal (a prefill's causal bound for keys in position order).
     ``keep_fp32``: return ``out`` in the float32 accumulation dtype (for further merging)."""
     B, Hq, Tq, D = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -135,34 +179,37 @@ def _attention(
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     if backend == "auto":
         backend = _pick_backend(q, k, v)
-    ragged = False  # some sequence has keys masked by kv_lens: they must not even be read
-    if kv_lens is not None and B:
-        if kv_lens.device.type == "cpu":  # bounds without a device sync
-            hi, lo = int(kv_lens.max()), int(kv_lens.min())
-            if hi < S:  # keys past every sequence's length (e.g. unused cache capacity)
-                k, v, S = k[:, :, :hi], v[:, :, :hi], hi
-            ragged = lo < hi
-        else:
-            ragged = True
+    if softcap is not None and backend == "flash_cpu":
+        backend = "torch"  # the fused kernel cannot softcap its scores
+    G = Hq // Hkv
+    # every row's visible keys are [lo, hi) (AND the optional dense mask), computed here only
+    lo, hi = _row_bounds(B, Tq, G, S, kv_lens, causal, kv_start, kv_end, q.device)
+    lo, hi, span, seq = _trim(lo, hi, S, B)
+    if span is not None:
+        k, v = k[:, :, span[0] : span[1]], v[:, :, span[0] : span[1]]
+        S = k.shape[2]
+        if mask is not None:
+            mask = mask[..., span[0] : span[1]]
     if S == 0 or B * Hq * Tq == 0:
         out, lse = empty_state((B, Hq, Tq, Dv), q.device)
         return out.to(acc if keep_fp32 else q.dtype), lse.to(acc)
-    qg = q.reshape(B, Hkv, (Hq // Hkv) * Tq, D)  # row r = g * Tq + i, g the group member
-    lim = _visible_limit(B, Tq, Hq // Hkv, S, kv_lens, causal, q.device)
+    qg = q.reshape(B, Hkv, G * Tq, D)  # row r = g * Tq + i, g the group member
     vis = None
     if mask is not None:  # rows r = g * Tq + i take mask row i
         vis = mask.to(q.device).index_select(1, torch.arange(qg.shape[2], device=q.device) % Tq).unsqueeze(1)
     if backend == "flash_cpu":
         if q.device.type != "cpu" or Dv != D:
             raise ValueError(f"backend 'flash_cpu' needs CPU tensors with Dv == D, got {q.device}, D={D}, Dv={Dv}")
-        if ragged:  # a masked key holding NaN/inf would still poison the fused kernel's sums
-            bad = (torch.arange(S, device=q.device) >= kv_lens.view(B, 1, 1, 1).to(q.device)).transpose(-1, -2)
+        if seq is not None:  # a skipped key holding NaN/inf would still poison the fused kernel's sums
+            j = torch.arange(S, device=q.device).view(1, 1, S, 1)
+            bad = (j < seq[0].view(B, 1, 1, 1)) | (j >= seq[1].view(B, 1, 1, 1))
             k, v = k.masked_fill(bad, 0.0), v.masked_fill(bad, 0.0)
-        out, lse = _flash_cpu(qg, k, v, scale, lim, vis)
+        out, lse = _flash_cpu(qg, k, v, scale, lo, hi, vis)
     else:
-        vlim = kv_lens.view(B, 1, 1, 1).to(q.device) if ragged else None
-        out, lse = _chunked(qg, k, v, scale, lim, vis, vlim)
-    return out.to(acc if keep_fp32 else q.dtype).reshape(B, Hq, Tq, Dv), lse.reshape(B, Hq, Tq)
+        out, lse = _chunked(qg, k, v, scale, lo, hi, vis, seq, softcap)
+    # contiguous lse: the fused kernel returns it transposed, and a collective over ranks whose
+    # states have different memory layouts would pair up the wrong elements
+    return out.to(acc if keep_fp32 else q.dtype).reshape(B, Hq, Tq, Dv), lse.reshape(B, Hq, Tq).contiguous()
 
 
 def _pick_backend(q: Tensor, k: Tensor, v: Tensor) -> str:
@@ -174,19 +221,70 @@ def _pick_backend(q: Tensor, k: Tensor, v: Tensor) -> str:
     return "torch"
 
 
-def _visible_limit(
-    B: int, Tq: int, G: int, S: int, kv_lens: Tensor | None, causal: bool, device: torch.device
-) -> Tensor | None:
-    """Per (batch, row) exclusive upper bound of the visible key index, ``[B, 1, G*Tq, 1]``
-    int64, or None when every key is visible to every row."""
-    if kv_lens is None and not (causal and Tq > 1):
-        return None
-    L = torch.full((B,), S, device=device) if kv_lens is None else kv_lens.to(device=device, dtype=torch.int64)
-    lim = L.view(B, 1, 1, 1).expand(B, 1, G * Tq, 1)
-    if causal:
-        i = torch.arange(G * Tq, device=device) % Tq
-        lim = lim - (Tq - 1) + i.view(1, 1, G * Tq, 1)
-    return lim
+def _per_row(t: Tensor, B: int, Tq: int, R: int, device: torch.device) -> Tensor:
+    t = t.to(device=device, dtype=torch.int64)
+    if t.ndim == 1:
+        return t.view(B, 1, 1, 1).expand(B, 1, R, 1)
+    return t[:, torch.arange(R, device=device) % Tq].view(B, 1, R, 1)
+
+
+def _row_bounds(
+    B: int,
+    Tq: int,
+    G: int,
+    S: int,
+    kv_lens: Tensor | None,
+    causal: bool,
+    kv_start: Tensor | None,
+    kv_end: Tensor | None,
+    device: torch.device,
+) -> tuple[Tensor | None, Tensor | None]:
+    """Per (batch, row) visible key range ``[lo, hi)``, each ``[B, 1, G*Tq, 1]`` int64 or
+    None (no bound). Row ``r = g * Tq + i`` is query ``i`` of group member ``g``."""
+    R = G * Tq
+    hi = None
+    if kv_lens is not None or (causal and Tq > 1) or kv_end is not None:
+        L = torch.full((B,), S, device=device) if kv_lens is None else kv_lens.to(device=device, dtype=torch.int64)
+        hi = L.view(B, 1, 1, 1).expand(B, 1, R, 1)
+        if causal:
+            i = torch.arange(R, device=device) % Tq
+            hi = hi - (Tq - 1) + i.view(1, 1, R, 1)
+        if kv_end is not None:
+            hi = torch.minimum(hi, _per_row(kv_end, B, Tq, R, device))
+    lo = None if kv_start is None else _per_row(kv_start, B, Tq, R, device)
+    return lo, hi
+
+
+def _trim(lo: Tensor | None, hi: Tensor | None, S: int, B: int):
+    """Keys no row reads. Returns ``(lo, hi, span, seq)``: the bounds relative to the kept
+    key slice ``span = (a, b)`` (None: keep all ``S``; bounds that hide nothing dropped), and
+    ``seq = (seq_lo, seq_hi)`` ``[B]`` when some sequence reads only part of the slice (its
+    other values must be zeroed: 0 x NaN of unused cache slots would leak into the sums)."""
+    if lo is None and hi is None:
+        return None, None, None, None
+    ref = lo if lo is not None else hi
+    if ref.device.type != "cpu" or B == 0 or ref.shape[2] == 0:  # no host sync off the CPU: mask only
+        seq_lo = lo.amin((1, 2, 3)).clamp(0, S) if lo is not None else torch.zeros(B, dtype=torch.int64)
+        seq_hi = hi.amax((1, 2, 3)).clamp(0, S) if hi is not None else torch.full((B,), S, dtype=torch.int64)
+        return lo, hi, None, (seq_lo.to(ref.device), seq_hi.to(ref.device))
+    seq_lo = lo.amin((1, 2, 3)).clamp(0, S) if lo is not None else torch.zeros(B, dtype=torch.int64)
+    seq_hi = hi.amax((1, 2, 3)).clamp(0, S) if hi is not None else torch.full((B,), S, dtype=torch.int64)
+    live = seq_lo < seq_hi
+    if not bool(live.any()):
+        return None, None, (0, 0), None
+    a, b = int(seq_lo[live].min()), int(seq_hi[live].max())
+    if a:
+        lo = lo - a if lo is not None else None
+        hi = hi - a if hi is not None else None
+        seq_lo, seq_hi = seq_lo - a, seq_hi - a
+    n = b - a
+    seq_lo, seq_hi = seq_lo.clamp(0, n), seq_hi.clamp(0, n)
+    if lo is not None and not bool((lo > 0).any()):
+        lo = None
+    if hi is not None and not bool((hi < n).any()):
+        hi = None
+    ragged = bool((seq_lo[live] > 0).any() or (seq_hi[live] < n).any() or (~live).any())
+    return lo, hi, ((a, b) if (a, b) != (0, S) else None), ((seq_lo, seq_hi) if ragged else None)
 
 
 def _chunked(
@@ -194,12 +292,14 @@ def _chunked(
     k: Tensor,
     v: Tensor,
     scale: float,
-    lim: Tensor | None,
+    lo: Tensor | None,
+    hi: Tensor | None,
     vis: Tensor | None = None,
-    vlim: Tensor | None = None,
+    seq: tuple[Tensor, Tensor] | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Chunked online-softmax attention. ``vlim [B, 1, 1, 1]``: zero the values at or past
-    each sequence's length (0 x NaN would otherwise leak masked garbage into the sum)."""
+    """Chunked online-softmax attention. ``seq = (seq_lo, seq_hi)`` ``[B]``: zero the values
+    outside each sequence's read range (0 x NaN would otherwise leak masked garbage)."""
     B, Hkv, R, _ = qg.shape
     S, Dv = k.shape[2], v.shape[3]
     acc = torch.float64 if qg.dtype == torch.float64 else torch.float32
@@ -209,14 +309,19 @@ def _chunked(
     for s0 in range(0, S, chunk):
         kc, vc = k[:, :, s0 : s0 + chunk], v[:, :, s0 : s0 + chunk]
         s = torch.matmul(qs, kc.to(acc).transpose(-1, -2))  # [B, Hkv, R, C]
-        if lim is not None:
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        if lo is not None or hi is not None:
             j = torch.arange(s0, s0 + kc.shape[2], device=qg.device)
-            s = s.masked_fill(j >= lim, float("-inf"))
+            hide = (j >= hi) if hi is not None else None
+            if lo is not None:
+                hide = (j < lo) if hide is None else hide | (j < lo)
+            s = s.masked_fill(hide, float("-inf"))
         if vis is not None:
             s = s.masked_fill(~vis[..., s0 : s0 + kc.shape[2]], float("-inf"))
-        if vlim is not None:
+        if seq is not None:
             jv = torch.arange(s0, s0 + kc.shape[2], device=qg.device).view(1, 1, -1, 1)
-            vc = vc.masked_fill(jv >= vlim, 0.0)
+            vc = vc.masked_fill((jv < seq[0].view(B, 1, 1, 1)) | (jv >= seq[1].view(B, 1, 1, 1)), 0.0)
         m = s.amax(-1, keepdim=True)
         m = torch.where(torch.isinf(m), 0.0, m)
         p = torch.exp(s - m)
@@ -232,12 +337,16 @@ def _chunked(
 
 
 def _flash_cpu(
-    qg: Tensor, k: Tensor, v: Tensor, scale: float, lim: Tensor | None, vis: Tensor | None = None
+    qg: Tensor, k: Tensor, v: Tensor, scale: float, lo: Tensor | None, hi: Tensor | None, vis: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     mask = empty = None
-    if lim is not None or vis is not None:
+    if lo is not None or hi is not None or vis is not None:
         j = torch.arange(k.shape[2], device=qg.device)
-        hide = (j >= lim) if lim is not None else torch.zeros(1, 1, 1, k.shape[2], dtype=torch.bool, device=qg.device)
+        hide = torch.zeros(1, 1, 1, k.shape[2], dtype=torch.bool, device=qg.device)
+        if hi is not None:
+            hide = hide | (j >= hi)
+        if lo is not None:
+            hide = hide | (j < lo)
         if vis is not None:
             hide = hide | ~vis
         mask = torch.zeros((), dtype=qg.dtype, device=qg.device).masked_fill(hide, float("-inf"))

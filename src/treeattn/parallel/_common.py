@@ -47,6 +47,11 @@ def check_new_tokens(q: Tensor, k: Tensor, v: Tensor, new_k, new_v, new_mask) ->
             raise ValueError(f"new_mask must be a bool tensor [Tq, Tq]=({Tq}, {Tq}) or [B, Tq, Tq], got {got}")
 
 
+def check_window(window) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be an int >= 1 or None, got {window!r}")
+
+
 def validate_decode(
     q,
     k,
@@ -60,6 +65,9 @@ def validate_decode(
     group: dist.ProcessGroup | None,
     allowed=_OPS,
     ranks_per_node: int = 0,
+    kv_start: Tensor | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> None:
     """Local checks on this rank, then one all-gather so every rank raises the same
     ``ValueError`` when any rank's input is bad or the ranks disagree on the metadata."""
@@ -67,8 +75,9 @@ def validate_decode(
     try:
         if op not in allowed:
             raise ValueError(f"strategy must be one of {tuple(allowed)}, got {op!r}")
-        check_attention_inputs(q, k, v, kv_lens, scale=scale)
+        check_attention_inputs(q, k, v, kv_lens, scale=scale, kv_start=kv_start, softcap=softcap)
         check_new_tokens(q, k, v, new_k, new_v, new_mask)
+        check_window(window)
     except (ValueError, TypeError) as e:
         err = f"{type(e).__name__}: {e}" if isinstance(e, TypeError) else str(e)
     ok = err is None
@@ -85,8 +94,17 @@ def validate_decode(
         "new tokens": int(new_k is not None),
         "new_mask": -1 if new_mask is None or not isinstance(new_mask, Tensor) else new_mask.ndim,
         "ranks_per_node": ranks_per_node,
+        "kv_start": -1 if not ok or kv_start is None else kv_start.ndim,
+        "softcap": float_bits(softcap) if ok and softcap is not None else 0,
+        "window": window if ok and window is not None else 0,
     }
-    show = {"dtype": _DTYPE_NAMES, "scale": "float", "strategy": dict(enumerate(_OPS))}
+    show = {
+        "dtype": _DTYPE_NAMES,
+        "scale": "float",
+        "softcap": "float",
+        "strategy": dict(enumerate(_OPS)),
+        "kv_start": {-1: "absent", 1: "[B]", 2: "[B, Tq]"},
+    }
     device = q.device if isinstance(q, Tensor) and q.device.type != "cpu" and _nccl(group) else "cpu"
     agree(fields, err, group=group, show=show, device=device)
 

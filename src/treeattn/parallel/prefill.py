@@ -11,6 +11,7 @@ from ..comm.collectives import all_gather, world
 from ..comm.strategies import STRATEGIES, reduce_states
 from ..ops.attention import _attention
 from ..ops.state import empty_state, merge_states
+from ._common import check_window
 
 _MASK_BUDGET = 1 << 24  # elements of the dense causal mask per attention call
 
@@ -24,25 +25,50 @@ def causal_states(
     *,
     scale: float | None = None,
     backend: str = "auto",
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Float32 state of queries at global positions ``qpos [T]`` over keys at ``kpos [S]``
-    (host int64; a query sees the keys at positions ``<=`` its own; a query at position -1
-    sees nothing). Keys wholly in the future are never computed; the dense mask is built
-    for at most ``_MASK_BUDGET`` elements at a time (query rows in chunks)."""
+    (host int64; a query at position ``P`` sees the keys at positions ``P - window < pos <= P``
+    — transformers' sliding-window mask — or ``<= P`` without a window; a query at position
+    -1 sees nothing). ``softcap``: see :func:`treeattn.attention_with_lse`. Keys no query
+    of a row block sees are never computed. Keys in position order (every placement) give
+    per-query ``[start, end)`` slot bounds; otherwise a dense mask is built for at most
+    ``_MASK_BUDGET`` elements at a time (query rows in chunks)."""
     qpos, kpos = qpos.to(torch.int64), kpos.to(torch.int64)
     T = q.shape[2]
-    if len(kpos) == 0 or T == 0 or int(kpos.min()) > int(qpos.max()):
+    real = qpos[qpos >= 0]
+    lo_pos = None if window is None else qpos - window + 1
+    if (
+        len(kpos) == 0
+        or len(real) == 0
+        or int(kpos.min()) > int(real.max())
+        or (window is not None and int(kpos.max()) <= int(real.min()) - window)
+    ):
         out, lse = empty_state((q.shape[0], q.shape[1], T, v.shape[3]), q.device)
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         return out.to(acc), lse.to(acc)
-    if int(kpos.max()) <= int(qpos.min()):  # every key precedes every query: no mask
-        return _attention(q, k, v, scale=scale, backend=backend, keep_fp32=True)
-    G = q.shape[1] // max(1, k.shape[1])
+    if int(kpos.max()) <= int(qpos.min()) and (window is None or int(kpos.min()) > int(qpos.max()) - window):
+        return _attention(q, k, v, scale=scale, softcap=softcap, backend=backend, keep_fp32=True)  # all visible
+    B, G = q.shape[0], q.shape[1] // max(1, k.shape[1])
     rows = max(1, _MASK_BUDGET // (G * len(kpos)))
+    ordered = len(kpos) < 2 or bool((kpos[1:] > kpos[:-1]).all())
+    if ordered:
+        end = torch.searchsorted(kpos, qpos, right=True)  # first key after the query
+        start = None if lo_pos is None else torch.searchsorted(kpos, lo_pos)  # first key in its window
     parts = []
     for a in range(0, T, rows):
-        mask = (kpos[None, :] <= qpos[a : a + rows, None]).unsqueeze(0).to(q.device)
-        parts.append(_attention(q[:, :, a : a + rows], k, v, scale=scale, mask=mask, backend=backend, keep_fp32=True))
+        qa = q[:, :, a : a + rows]
+        if ordered:
+            ea = end[a : a + rows].to(q.device).expand(B, -1)
+            sa = None if start is None else start[a : a + rows].to(q.device).expand(B, -1)
+            kw = dict(kv_start=sa, kv_end=ea)
+        else:
+            vis = kpos[None, :] <= qpos[a : a + rows, None]
+            if lo_pos is not None:
+                vis &= kpos[None, :] >= lo_pos[a : a + rows, None]
+            kw = dict(mask=vis.unsqueeze(0).to(q.device))
+        parts.append(_attention(qa, k, v, scale=scale, softcap=softcap, backend=backend, keep_fp32=True, **kw))
     if len(parts) == 1:
         return parts[0]
     return torch.cat([x[0] for x in parts], 2), torch.cat([x[1] for x in parts], 2)
@@ -59,6 +85,8 @@ def ring_prefill(
     backend: str = "auto",
     return_lse: bool = False,
     q_positions: Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact causal attention for a prompt whose tokens are spread over the ranks of ``group``.
 
@@ -72,20 +100,27 @@ def ring_prefill(
         q_positions: global positions ``[n]`` (host) of this rank's queries; default
             ``positions[rank]`` (queries = this rank's keys). A chunked prefill passes the
             current chunk here and every stored key in ``k``/``v``.
+        window: sliding window on global positions: a query at position ``a`` sees only the
+            keys at ``a - window < pos <= a`` (transformers' ``sliding_window``).
+        softcap: attention-logit softcapping (see :func:`treeattn.attention_with_lse`).
 
     Returns:
         ``out [B, Hq, n, Dv]`` in q's dtype (and lse ``[B, Hq, n]`` float32).
 
-    Blocks wholly in the future of every local query are received but not computed.
+    Blocks wholly in the future of (or before the window of) every local query are
+    received but not computed.
     """
     from .ring import ring_pass
 
+    check_window(window)
     rank, _ = world(group)
     qpos = (positions[rank] if q_positions is None else q_positions).to(torch.int64)
     state: list[Tensor] = []
 
     def visit(src: int, kb: Tensor, vb: Tensor) -> None:
-        o, l = causal_states(q, kb, vb, qpos, positions[src], scale=scale, backend=backend)
+        o, l = causal_states(
+            q, kb, vb, qpos, positions[src], scale=scale, backend=backend, window=window, softcap=softcap
+        )
         state[:] = merge_states(*state, o, l) if state else (o, l)
 
     ring_pass(k, v, [len(x) for x in positions], group, visit)
@@ -106,6 +141,8 @@ def tree_prefill(
     strategy: str = "auto",
     backend: str = "auto",
     return_lse: bool = False,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact causal attention for queries spread over the ranks of ``group`` against a KV
     cache sharded over them, by Tree Attention: the ranks gather every rank's queries (one
@@ -124,12 +161,15 @@ def tree_prefill(
         k_positions: ``[m]`` global positions (host) of this rank's keys. A query at
             position ``a`` sees the keys at positions ``<= a`` on every rank.
         strategy: reduction (one of ``treeattn.comm.STRATEGIES``).
+        window, softcap: sliding window on global positions and attention-logit
+            softcapping, as :func:`ring_prefill`.
 
     Returns:
         ``out [B, Hq, n, Dv]`` in q's dtype (and lse ``[B, Hq, n]`` float32).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    check_window(window)
     rank, p = world(group)
     B, Hq, n, _ = q.shape
     sizes = [len(x) for x in q_positions]
@@ -142,7 +182,9 @@ def tree_prefill(
     allq = allq.permute(1, 2, 0, 3, 4).reshape(B, Hq, p * nmax, q.shape[3])
     pad = torch.full((nmax,), -1, dtype=torch.int64)
     allpos = torch.cat([torch.cat([x.to(torch.int64), pad[: nmax - len(x)]]) for x in q_positions])
-    out, lse = causal_states(allq, k, v, allpos, k_positions, scale=scale, backend=backend)
+    out, lse = causal_states(
+        allq, k, v, allpos, k_positions, scale=scale, backend=backend, window=window, softcap=softcap
+    )
     out, lse = reduce_states(out, lse, group=group, strategy=strategy)
     out, lse = out[:, :, rank * nmax : rank * nmax + n], lse[:, :, rank * nmax : rank * nmax + n]
     out = out.to(q.dtype)

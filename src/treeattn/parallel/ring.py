@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..comm.collectives import all_gather, sendrecv, world
 from ..ops.attention import _attention
-from ..ops.state import merge_states, merge_states_n
+from ..ops.state import empty_state, merge_states, merge_states_n
 from ._common import validate_decode
 from .tree import new_token_state
 
@@ -76,6 +76,19 @@ def ring_pass(k: Tensor, v: Tensor, sizes: list[int], group, visit: Callable[[in
     visit(last, *shaped(last, held))
 
 
+def _visible_slice(k: Tensor, v: Tensor, kv_lens: Tensor | None, kv_start: Tensor):
+    """This shard's slots some query can see (``[a, b)``) and the bounds relative to it, on
+    the host: only those travel around the ring."""
+    B, S = k.shape[0], k.shape[2]
+    lens = torch.full((B,), S, dtype=torch.int64) if kv_lens is None else kv_lens.cpu().to(torch.int64)
+    st = kv_start.cpu().to(torch.int64).clamp(0, S)
+    lo = st.view(B, -1).amin(1) if B else st.view(0)
+    live = lo < lens
+    a, b = (int(lo[live].min()), int(lens[live].max())) if bool(live.any()) else (0, 0)
+    n = b - a
+    return k[:, :, a:b], v[:, :, a:b], (lens - a).clamp(0, n), (st - a).clamp(0, n)
+
+
 def ring_decode(
     q: Tensor,
     k: Tensor,
@@ -90,26 +103,54 @@ def ring_decode(
     return_lse: bool = False,
     check: bool = True,
     backend: str = "auto",
+    kv_start: Tensor | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Same contract as :func:`treeattn.tree_decode` (minus ``strategy``/``topology``), computed
     by Ring Attention. Before the ring, one small all-gather shares every shard's length
     and ``kv_lens`` (a host sync: receive buffers are sized from it). The p partial states
-    are merged in rank order, so the result is bitwise identical on every rank."""
+    are merged in rank order, so the result is bitwise identical on every rank. With
+    ``kv_start`` (a sliding window) only the slots some query can see travel the ring."""
     if check:
-        validate_decode(q, k, v, kv_lens, new_k, new_v, new_mask, scale, "ring", group, ("ring",))
+        validate_decode(
+            q, k, v, kv_lens, new_k, new_v, new_mask, scale, "ring", group, ("ring",), 0, kv_start, softcap, window
+        )
     _, p = world(group)
-    B, S = k.shape[0], k.shape[2]
-    lens = kv_lens if kv_lens is not None else torch.full((B,), S, device=q.device)
-    info = all_gather(torch.cat([lens.new_tensor([S]), lens]).to(torch.int64), group).cpu() if p > 1 else None
+    B = k.shape[0]
+    if kv_start is not None and p > 1:
+        k, v, lens, starts = _visible_slice(k, v, kv_lens, kv_start)
+        starts = starts.reshape(B, -1)
+    else:
+        lens = kv_lens if kv_lens is not None else torch.full((B,), k.shape[2], device=q.device)
+        starts = None
+    S = k.shape[2]
+    info = None
+    if p > 1:
+        parts = [lens.new_tensor([S]), lens] + ([starts.flatten()] if starts is not None else [])
+        info = all_gather(torch.cat([x.to(torch.int64) for x in parts]).to(q.device), group).cpu()
     states: dict[int, tuple[Tensor, Tensor]] = {}
 
     def visit(src: int, kb: Tensor, vb: Tensor) -> None:
         if info is None:
-            lb = kv_lens
+            lb, sb = kv_lens, kv_start
         else:
-            lb = info[src, 1:]
+            lb = info[src, 1 : 1 + B]
+            sb = None
+            if starts is not None:
+                sb = info[src, 1 + B :].view(B, -1)
+                if kv_start.ndim == 1:
+                    sb = sb[:, 0]
+                if not bool((sb < lb.view(B, *([1] * (sb.ndim - 1)))).any()):  # nothing visible in this block
+                    out, lse = empty_state((*q.shape[:3], v.shape[3]), q.device)
+                    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+                    states[src] = (out.to(acc), lse.to(acc))
+                    return
+                sb = sb.to(q.device) if bool((sb > 0).any()) else None
             lb = None if bool((lb == kb.shape[2]).all()) else lb.to(q.device)  # info is on the host
-        states[src] = _attention(q, kb, vb, scale=scale, kv_lens=lb, backend=backend, keep_fp32=True)
+        states[src] = _attention(
+            q, kb, vb, scale=scale, kv_lens=lb, kv_start=sb, softcap=softcap, backend=backend, keep_fp32=True
+        )
 
     ring_pass(k, v, info[:, 0].tolist() if info is not None else [S], group, visit)
     # merge in rank order, not arrival order: the result is bitwise identical on every rank
@@ -117,6 +158,8 @@ def ring_decode(
         torch.stack([states[r][0] for r in sorted(states)]), torch.stack([states[r][1] for r in sorted(states)])
     )
     if new_k is not None:
-        out, lse = merge_states(out, lse, *new_token_state(q, new_k, new_v, new_mask, scale))
+        out, lse = merge_states(
+            out, lse, *new_token_state(q, new_k, new_v, new_mask, scale, softcap=softcap, window=window)
+        )
     out = out.to(q.dtype)
     return (out, lse) if return_lse else out

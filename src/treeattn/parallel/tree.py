@@ -13,13 +13,25 @@ from ..ops.state import merge_states
 from ._common import validate_decode
 
 
-def new_token_state(q: Tensor, new_k: Tensor, new_v: Tensor, new_mask: Tensor | None, scale) -> tuple[Tensor, Tensor]:
-    """State of the queries over their own tokens (default causal mask), float32."""
+def new_token_state(
+    q: Tensor,
+    new_k: Tensor,
+    new_v: Tensor,
+    new_mask: Tensor | None,
+    scale,
+    *,
+    softcap: float | None = None,
+    window: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """State of the queries over their own tokens, float32. Default mask: causal, and with
+    ``window`` query i sees new token j only if ``0 <= i - j < window``."""
     Tq = q.shape[2]
     if new_mask is None:
         new_mask = torch.ones(Tq, Tq, dtype=torch.bool, device=q.device).tril()
+        if window is not None:
+            new_mask = new_mask.triu(1 - window)
     mask = new_mask if new_mask.ndim == 3 else new_mask.unsqueeze(0)
-    return _attention(q, new_k, new_v, scale=scale, mask=mask, backend="torch", keep_fp32=True)
+    return _attention(q, new_k, new_v, scale=scale, mask=mask, softcap=softcap, backend="torch", keep_fp32=True)
 
 
 def tree_decode(
@@ -38,6 +50,9 @@ def tree_decode(
     topology: Topology | None = None,
     check: bool = True,
     backend: str = "auto",
+    kv_start: Tensor | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention of ``q`` over a KV cache sharded along the sequence across ``group``.
 
@@ -63,6 +78,14 @@ def tree_decode(
         check: validate inputs and agree on metadata across ranks first (one small integer
             all-gather with a host sync). Per-step callers that validated once may pass False.
         backend: local attention backend (see :func:`treeattn.attention_with_lse`).
+        kv_start: optional integer ``[B]`` or ``[B, Tq]``: the first local slot each sequence
+            (or query) sees — a sliding window on global positions, converted to this
+            shard's slots by :meth:`treeattn.ShardedKVCache.window_start`. A rank whose keys
+            all lie below it contributes the empty state without running its kernel.
+        softcap: attention-logit softcapping ``c * tanh(s / c)`` of the scaled scores
+            (Gemma-2), applied inside the local kernel before the lse; same on every rank.
+        window: sliding window of the *new tokens'* default causal mask (query i sees new
+            token j iff ``0 <= i - j < window``); with ``new_mask`` the mask decides.
 
     Returns:
         ``out [B, Hq, Tq, Dv]`` in q's dtype, the same on every rank; with ``return_lse``
@@ -71,15 +94,22 @@ def tree_decode(
     Raises:
         ValueError: on *every* rank, when any rank's input is invalid or ranks disagree on
             B, Hq, Hkv, D, Dv, Tq, dtype, scale, strategy, the presence of new tokens, the
-            shape of ``new_mask`` (or its absence) or the topology's ranks per node.
+            shape of ``new_mask`` (or its absence), the topology's ranks per node, softcap,
+            window or the presence and rank of ``kv_start``.
     """
     if check:
         topo = topology if topology is not None else Topology.from_env()
         rpn = topo.ranks_per_node if topo is not None else 0
-        validate_decode(q, k, v, kv_lens, new_k, new_v, new_mask, scale, strategy, group, STRATEGIES, rpn)
-    out, lse = _attention(q, k, v, scale=scale, kv_lens=kv_lens, backend=backend, keep_fp32=True)
+        validate_decode(
+            q, k, v, kv_lens, new_k, new_v, new_mask, scale, strategy, group, STRATEGIES, rpn, kv_start, softcap, window
+        )
+    out, lse = _attention(
+        q, k, v, scale=scale, kv_lens=kv_lens, kv_start=kv_start, softcap=softcap, backend=backend, keep_fp32=True
+    )
     out, lse = reduce_states(out, lse, group=group, strategy=strategy, topology=topology)
     if new_k is not None:
-        out, lse = merge_states(out, lse, *new_token_state(q, new_k, new_v, new_mask, scale))
+        out, lse = merge_states(
+            out, lse, *new_token_state(q, new_k, new_v, new_mask, scale, softcap=softcap, window=window)
+        )
     out = out.to(q.dtype)
     return (out, lse) if return_lse else out
