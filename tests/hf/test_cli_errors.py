@@ -16,7 +16,8 @@ def _run(capsys, *args) -> str:
     code = main(["generate", "--nproc", "2", *args])
     err = capsys.readouterr().err
     assert code == 2, err
-    assert "Traceback" not in err and err.startswith("treeattn generate: "), err
+    # status lines (e.g. "converting ...") may precede it; the error is the last line
+    assert "Traceback" not in err and err.splitlines()[-1].startswith("treeattn generate: "), err
     return err
 
 

@@ -74,8 +74,12 @@ def world(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 
 def all_reduce(t: Tensor, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup | None) -> Tensor:
+    """In place when ``t`` is contiguous; use the returned tensor. Ranks may hold the same
+    logical tensor in different memory layouts: the backend reduces storage order, so a
+    non-contiguous ``t`` is made contiguous first."""
     _, p = world(group)
     if p > 1:
+        t = t.contiguous()
         n = t.numel() * t.element_size()
         meter.record("all_reduce", 2 * (p - 1) / p * n, 2 * (p - 1) / p * n)
         try:
