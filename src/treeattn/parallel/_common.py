@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -60,11 +62,16 @@ def validate_decode(
     group: dist.ProcessGroup | None,
     allowed=_OPS,
     ranks_per_node: int = 0,
+    cost_model: Callable[[], int] | None = None,
 ) -> None:
     """Local checks on this rank, then one all-gather so every rank raises the same
-    ``ValueError`` when any rank's input is bad or the ranks disagree on the metadata."""
+    ``ValueError`` when any rank's input is bad or the ranks disagree on the metadata.
+    ``cost_model``: returns the fingerprint of ``auto``'s cost model (may raise ValueError)."""
     err = None
+    model = 0
     try:
+        if cost_model is not None:
+            model = cost_model()
         if op not in allowed:
             raise ValueError(f"strategy must be one of {tuple(allowed)}, got {op!r}")
         check_attention_inputs(q, k, v, kv_lens, scale=scale)
@@ -85,6 +92,7 @@ def validate_decode(
         "new tokens": int(new_k is not None),
         "new_mask": -1 if new_mask is None or not isinstance(new_mask, Tensor) else new_mask.ndim,
         "ranks_per_node": ranks_per_node,
+        "cost model (profile)": model,
     }
     show = {"dtype": _DTYPE_NAMES, "scale": "float", "strategy": dict(enumerate(_OPS))}
     device = q.device if isinstance(q, Tensor) and q.device.type != "cpu" and _nccl(group) else "cpu"
