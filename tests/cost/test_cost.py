@@ -31,10 +31,10 @@ def test_formulas_monotone_in_size_and_p(f):
     sizes, ps = [1e2, 1e4, 1e6], [2, 3, 4, 8, 64]
     for p in ps:
         t = [f(n, p, 1e-5, 1e9) for n in sizes]
-        assert all(a < b for a, b in zip(t, t[1:]))
+        assert all(a < b for a, b in zip(t, t[1:], strict=False))
     for n in sizes:
         t = [f(n, p, 1e-5, 1e9) for p in ps]
-        assert all(a <= b for a, b in zip(t, t[1:])) and t[0] < t[-1]
+        assert all(a <= b for a, b in zip(t, t[1:], strict=False)) and t[0] < t[-1]
     assert f(1e6, 1, 1e-5, 1e9) == 0.0
 
 

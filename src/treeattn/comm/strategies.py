@@ -129,7 +129,9 @@ def reduce_states(
         return out, lse
     topology = topology if topology is not None else Topology.from_env()
     if strategy == "auto":
-        strategy = choose(auto_model(profile, group)[0], out.numel() * 4, lse.numel() * 4, p, _ranks_per_node(p, topology))
+        strategy = choose(
+            auto_model(profile, group)[0], out.numel() * 4, lse.numel() * 4, p, _ranks_per_node(p, topology)
+        )
     with meter.label(strategy):
         if strategy == "allgather":
             return _allgather(out, lse, group)

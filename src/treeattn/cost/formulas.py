@@ -96,7 +96,9 @@ def hierarchical_allgather(
     ``nodes`` ranks sharing a local index (inter constants): one state per node crosses
     the slow link. ``algo``: ``"ring"`` or ``"rd"``. Per-call overheads not included."""
     ag = ag_ring if algo == "ring" else ag_rd
-    return float(ag(n_bytes, ranks_per_node, intra_alpha, 1 / intra_beta) + ag(n_bytes, nodes, inter_alpha, 1 / inter_beta))
+    return float(
+        ag(n_bytes, ranks_per_node, intra_alpha, 1 / intra_beta) + ag(n_bytes, nodes, inter_alpha, 1 / inter_beta)
+    )
 
 
 def ring_p2p_time(

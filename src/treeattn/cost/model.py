@@ -193,9 +193,7 @@ def _allgather(c: Cluster, ca: Any, n: float, q: int, a: Any, ib: Any) -> Any:
     return ca + F.pick(c.allgather_algo, F.ag_ring(n, q, a, ib), F.ag_rd(n, q, a, ib))
 
 
-def reduction_time(
-    c: Cluster, P: dict[str, Any], p: int, r: int, out_b: float, lse_b: float, strategy: str
-) -> Any:
+def reduction_time(c: Cluster, P: dict[str, Any], p: int, r: int, out_b: float, lse_b: float, strategy: str) -> Any:
     """Seconds of reducing one state (``out_b + lse_b`` bytes per rank) over ``p`` ranks,
     ``r`` per node, with a tree ``strategy``: its collectives plus its merges.
 

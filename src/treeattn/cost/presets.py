@@ -8,6 +8,7 @@ on gloo, ``dgx-h100`` on NCCL, unless a calibrated profile is given
 from __future__ import annotations
 
 import os
+
 from .model import Cluster
 
 

@@ -68,8 +68,6 @@ def add_parser(sub: Any) -> None:
         help="K/V dtype (default bf16; local: fp32)",
     )
 
-
-
     g.add_argument("--calibrate", metavar="RESULTS.json", default=None, help="fit the local preset to bench rows")
     g.add_argument("--fit-fraction", type=float, default=0.5, help="share of rows fitted in the holdout check")
     g.add_argument(
@@ -121,7 +119,9 @@ def run(args: argparse.Namespace) -> int:
         named = replace(cluster, name=cluster.name if fit is None else f"{cluster.name}-calibrated")
         print(f"wrote cost profile {save_profile(args.profile_out, named, fit=fit)} ({source})\n")
     cpu = cluster.compute_slots > 0
-    grid_p, grid_s = PRESET_GRID.get(args.preset if not getattr(args, "profile", None) else "", PRESET_GRID["local" if cpu else "dgx-h100"])
+    grid_p, grid_s = PRESET_GRID.get(
+        args.preset if not getattr(args, "profile", None) else "", PRESET_GRID["local" if cpu else "dgx-h100"]
+    )
     ps = sorted(set(args.p or grid_p))
     seqs = sorted(set(args.seq or grid_s))
     kv_heads = args.kv_heads or args.heads

@@ -28,7 +28,9 @@ def _save(path: Path, lines: list[tuple[list, list, str, str]], xlabel: str, yla
     fig.savefig(path, dpi=110)
 
 
-def plot_all(out: Path, name: str, records: list[dict[str, Any]], ps: list[int], seqs: list[int], title: str) -> list[str]:
+def plot_all(
+    out: Path, name: str, records: list[dict[str, Any]], ps: list[int], seqs: list[int], title: str
+) -> list[str]:
     """``latency_vs_p.png``, ``latency_vs_seq.png`` and ``speedup_vs_p.png`` in ``out``; returns the names."""
     by = {(r["strategy"], r["p"], r["seq"]): r["seconds"] for r in records}
     files = []

@@ -107,7 +107,9 @@ def calibration_text(source: str, fit_fraction: float, rep: dict[str, Any], cal:
         ]
         out.append(table([*heads, "measured ms", "predicted ms", "error"], rows))
         out.append(f"\nmedian |error| on held-back rows: {rep['median_abs_rel_err']:.1%}\n")
-    fitted = ", ".join(f"{k} = {fmt_si(v, 'B/s' if k.endswith(('beta', 'bw')) else 's')}" for k, v in cal.fitted.items())
+    fitted = ", ".join(
+        f"{k} = {fmt_si(v, 'B/s' if k.endswith(('beta', 'bw')) else 's')}" for k, v in cal.fitted.items()
+    )
     out.append(
         f"Fit on all {cal.n_rows} rows: {fitted}; kept at default: {', '.join(cal.fixed) or 'none'}; "
         f"median |error| on its own rows {cal.median_rel_err:.1%}.\n"
