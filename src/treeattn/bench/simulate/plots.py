@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..common import finish_figure
+
 STYLES = {"ring": "k-o", "allreduce3": "C0-s", "allreduce2": "C1-^", "allgather": "C2-v", "hierarchical": "C3-D",
           "local": "C7--"}  # fmt: skip
 
@@ -22,10 +24,7 @@ def _save(path: Path, lines: list[tuple[list, list, str, str]], xlabel: str, yla
     ax.set_yscale("log")
     ax.set(xlabel=xlabel, ylabel=ylabel)
     ax.set_title(title, fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(title=legend_title, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    finish_figure(fig, [ax], path, legend_title, fontsize=8)
 
 
 def plot_all(
