@@ -157,3 +157,35 @@ def test_tree_decode_single_process_profile_errors(tmp_path):
     with pytest.raises(ValueError, match=rf"{bad}.*'levels.intra.alpha'"):
         treeattn.tree_decode(q, k, v, profile=bad)
     assert isinstance(Profile(LOCAL).describe(), str)
+
+
+# --- treeattn simulate --calibrate --profile-out / --profile ---------------------------------
+
+
+def test_simulate_writes_and_reads_a_profile(tmp_path, capsys):
+    from treeattn.cli import build_parser
+    from treeattn.cost import predict
+
+    truth = replace(LOCAL, compute_slots=2, collective_alpha=150e-6, intra_beta=1.5e9, attn_efficiency=0.7)
+    rows = [
+        {"method": m, "p": p, "seq": s, "batch": b, "heads": 16, "kv_heads": 16, "dim": 64, "dtype": "float32"}
+        | {"median_s": predict(truth, p, s, b, 16, 16, 64, 4, m.removeprefix("tree "))}
+        for m in ("local", "tree allgather", "tree allreduce2", "ring")
+        for p in (2, 4)
+        for s in (4096, 65536)
+        for b in (1, 32)
+    ]
+    (tmp_path / "lat.json").write_text(json.dumps({"rows": rows}))
+    prof = tmp_path / "prof.json"
+    parser = build_parser()
+    a = parser.parse_args(["simulate", "--preset", "local", "--calibrate", str(tmp_path / "lat.json")]
+                          + ["--profile-out", str(prof), "--p", "2", "--seq", "4096"])  # fmt: skip
+    assert a.func(a) == 0
+    c = load_profile(prof).cluster
+    assert c.collective_alpha == pytest.approx(150e-6, rel=0.05) and c.intra_beta == pytest.approx(1.5e9, rel=0.05)
+    assert json.loads(prof.read_text())["fit"]["n_rows"] == len(rows)
+    a = parser.parse_args(["simulate", "--profile", str(prof), "--p", "2", "4", "--seq", "4096"])
+    assert a.func(a) == 0
+    assert str(prof) in capsys.readouterr().out
+    a = parser.parse_args(["simulate", "--profile", str(tmp_path / "none.json")])
+    assert a.func(a) == 2 and "none.json" in capsys.readouterr().err
