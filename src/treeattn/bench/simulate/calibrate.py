@@ -220,10 +220,18 @@ def _calibrate(rows: list[_Row], skipped: int, base: Cluster, max_iter: int = 50
         if done:
             break
     _, cur, rel, fixed = best  # branches may cycle on noisy rows: keep the best iterate
+    tied: set[str] = set()  # inter-node constants that follow the intra-node ones (one host)
+    if (base.inter_alpha, base.inter_beta) == (base.intra_alpha, base.intra_beta) and {
+        "inter_alpha",
+        "inter_inv_beta",
+    } <= set(fixed):
+        cur = replace(cur, inter_alpha=cur.intra_alpha, inter_beta=cur.intra_beta)
+        tied = {"inter_alpha", "inter_inv_beta"}
+        fixed = [k for k in fixed if k not in tied]
     final = linear_params(cur)
     return Calibration(
         cluster=cur,
-        fitted=_natural(final, [k for k in names if k not in fixed]),
+        fitted=_natural(final, [k for k in names if k not in fixed and k not in tied]),
         fixed=tuple(fixed),
         n_rows=len(rows),
         skipped=skipped,
@@ -245,7 +253,9 @@ def calibrate(rows: Iterable[dict[str, Any]], base: Cluster | None = None) -> Ca
     separate from already fitted ones, keep the base value. A latency fitted <= 0 is set to 0 and an
     inverse bandwidth fitted <= 0 keeps the base value, then the rest is refitted (an active-set
     non-negative least squares). ``device_mem_bw`` is kept; ``attn_efficiency`` absorbs the fitted
-    bandwidth. Times are weighted by 1/measured, so the fit minimises relative error.
+    bandwidth. Times are weighted by 1/measured, so the fit minimises relative error. When no
+    row spans nodes and ``base`` has equal intra- and inter-node links (one host, as ``local``),
+    the inter-node constants follow the fitted intra-node ones.
 
     Args:
         rows: dicts as written by ``treeattn bench latency``: ``method`` (``"tree <strategy>"``,
