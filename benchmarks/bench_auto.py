@@ -6,7 +6,10 @@ strategies interleaved step by step so that the machine's load hits them alike; 
 long as its slowest rank. Then the choice of each cost model (``choose`` on the step's state) is
 scored: the fastest measured, or within 10 % of it.
 
-    python benchmarks/bench_auto.py --profile results/auto/profile.json --nproc 2 4 8 --out results/auto
+    python benchmarks/bench_auto.py --configs calib --out results/auto      # rows to calibrate from
+    treeattn simulate --preset local --calibrate results/auto/latency_rows_calib.json \
+        --profile-out results/auto/profile.json
+    python benchmarks/bench_auto.py --configs eval --profile results/auto/profile.json --out results/auto
 
 Models compared: the calibrated ``--profile``, the built-in ``local`` preset, and the constants
 ``auto`` used before the cost package (30 us / 10 GB/s intra-node, 60 us / 5 GB/s inter-node,
@@ -32,7 +35,11 @@ from treeattn.cost import PRESETS, Cluster, choose, load_profile
 from treeattn.launch import launch
 
 TREE = ("allreduce3", "allreduce2", "allgather", "hierarchical")
-CONFIGS = [(1, 8, 64, 16384), (1, 32, 128, 2048), (8, 32, 128, 256), (32, 32, 128, 64)]  # (B, H, D, S): 64 MB K/V
+# (B, H, D, S), 16-64 MB of K/V: calibration shapes and (other) evaluation shapes
+CONFIGS = {
+    "calib": [(1, 8, 64, 4096), (4, 16, 128, 1024), (16, 32, 128, 256), (64, 32, 128, 64)],
+    "eval": [(1, 8, 64, 16384), (1, 32, 128, 2048), (8, 32, 128, 256), (32, 32, 128, 64)],
+}
 OLD = Cluster(name="previous constants", nodes=1, devices_per_node=1 << 20, intra_alpha=30e-6, intra_beta=10e9,
               inter_alpha=60e-6, inter_beta=5e9, device_mem_bw=1e18, attn_efficiency=1.0)  # fmt: skip
 
@@ -70,6 +77,15 @@ def worker(configs: list, reps: int, warmup: int, out: str) -> None:
                         f.write(json.dumps(row | summarize(ts[:, j].tolist())) + "\n")
 
 
+def latency_rows(rows: list[dict]) -> list[dict]:
+    """The one-node rows in ``treeattn bench latency``'s format, for ``treeattn simulate --calibrate``."""
+    return [
+        {"method": f"tree {r['strategy']}", "p": r["p"], "seq": r["S"], "batch": r["B"], "heads": r["H"],
+         "kv_heads": r["H"], "dim": r["D"], "dtype": "float32", "median_s": r["median_s"]}
+        for r in rows if r["ranks_per_node"] == r["p"]
+    ]  # fmt: skip
+
+
 def score(rows: list[dict], models: dict[str, Cluster]) -> tuple[list[dict], dict[str, list[int]]]:
     """Per configuration: the fastest strategy and each model's pick with its time / fastest."""
     groups: dict[tuple, dict[str, float]] = {}
@@ -100,14 +116,15 @@ def score(rows: list[dict], models: dict[str, Cluster]) -> tuple[list[dict], dic
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--profile", required=True, help="calibrated cost profile (treeattn simulate --profile-out)")
+    ap.add_argument("--profile", nargs="+", default=[], help="calibrated cost profiles (simulate --profile-out)")
+    ap.add_argument("--configs", choices=list(CONFIGS), default="eval")
     ap.add_argument("--nproc", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rows", default=None, help="score these measured rows (JSON lines) instead of measuring")
     ap.add_argument("--out", default="results/auto")
     a = ap.parse_args()
-    prof = load_profile(a.profile)
+    profs = [load_profile(x) for x in a.profile]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.rows:
@@ -116,19 +133,22 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "rows.jsonl"
             for p in a.nproc:
-                launch(worker, p, (CONFIGS, a.reps, a.warmup, str(path)), timeout=3600)
+                launch(worker, p, (CONFIGS[a.configs], a.reps, a.warmup, str(path)), timeout=3600)
             rows = read_jsonl(path)
-        (out / "auto_rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    models = {"calibrated profile": prof.cluster, "built-in local": PRESETS["local"], "previous constants": OLD}
+        (out / f"auto_rows_{a.configs}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (out / f"latency_rows_{a.configs}.json").write_text(json.dumps({"rows": latency_rows(rows)}))
+    models = {f"profile {Path(x.path).stem}": x.cluster for x in profs}
+    models |= {"built-in local": PRESETS["local"], "previous constants": OLD}
     table, hits = score(rows, models)
-    print(f"load average {os.getloadavg()[0]:.1f} ({os.cpu_count()} cores); profile {prof.describe()}\n")
+    print(f"load average {os.getloadavg()[0]:.1f} ({os.cpu_count()} cores)")
+    print("".join(f"{m}: {x.describe()}\n" for m, x in zip(models, profs, strict=False)))
     print(markdown(table, list(table[0])))
     print()
     for m, (best, near, n) in hits.items():
         print(f"{m}: fastest in {best}/{n}, fastest or within 10% in {near}/{n}")
-    doc = {"command": " ".join(sys.argv), "loadavg": os.getloadavg(), "profile": prof.describe(), "table": table,
+    doc = {"command": " ".join(sys.argv), "loadavg": os.getloadavg(), "profiles": [x.describe() for x in profs], "table": table,
            "hits": {m: dict(zip(("fastest", "within_10pct", "n"), h, strict=True)) for m, h in hits.items()}}  # fmt: skip
-    (out / "auto.json").write_text(json.dumps(doc, indent=1))
+    (out / f"auto_{a.configs}.json").write_text(json.dumps(doc, indent=1))
     return 0
 
 
