@@ -78,11 +78,12 @@ def worker(configs: list, reps: int, warmup: int, out: str) -> None:
 
 
 def latency_rows(rows: list[dict]) -> list[dict]:
-    """The one-node rows in ``treeattn bench latency``'s format, for ``treeattn simulate --calibrate``."""
+    """The rows in ``treeattn bench latency``'s format (+ ``ranks_per_node``), for ``treeattn simulate --calibrate``."""
     return [
         {"method": f"tree {r['strategy']}", "p": r["p"], "seq": r["S"], "batch": r["B"], "heads": r["H"],
-         "kv_heads": r["H"], "dim": r["D"], "dtype": "float32", "median_s": r["median_s"]}
-        for r in rows if r["ranks_per_node"] == r["p"]
+         "kv_heads": r["H"], "dim": r["D"], "dtype": "float32", "median_s": r["median_s"],
+         "ranks_per_node": r["ranks_per_node"]}
+        for r in rows
     ]  # fmt: skip
 
 
@@ -102,7 +103,7 @@ def score(rows: list[dict], models: dict[str, Cluster]) -> tuple[list[dict], dic
             "B,H,D,S": f"{B},{H},{D},{S}",
             "state KB": B * H * (D + 1) * 4 / 1e3,
         }
-        row |= {f"{s} ms": t[s] * 1e3 for s in TREE if s in t} | {"fastest": best}
+        row |= {f"{s} ms": t[s] * 1e3 if s in t else "-" for s in TREE} | {"fastest": best}
         for m, c in models.items():
             pick = choose(c, B * H * D * 4, B * H * 4, p, rpn)
             ratio = t[pick] / t[best]
@@ -136,13 +137,13 @@ def main() -> int:
                 launch(worker, p, (CONFIGS[a.configs], a.reps, a.warmup, str(path)), timeout=3600)
             rows = read_jsonl(path)
         (out / f"auto_rows_{a.configs}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (out / f"latency_rows_{a.configs}.json").write_text(json.dumps({"rows": latency_rows(rows)}))
+    (out / f"latency_rows_{a.configs}.json").write_text(json.dumps({"rows": latency_rows(rows)}))
     models = {f"profile {Path(x.path).stem}": x.cluster for x in profs}
     models |= {"built-in local": PRESETS["local"], "previous constants": OLD}
     table, hits = score(rows, models)
     print(f"load average {os.getloadavg()[0]:.1f} ({os.cpu_count()} cores)")
     print("".join(f"{m}: {x.describe()}\n" for m, x in zip(models, profs, strict=False)))
-    print(markdown(table, list(table[0])))
+    print(markdown(table, list(dict.fromkeys(k for r in table for k in r))))
     print()
     for m, (best, near, n) in hits.items():
         print(f"{m}: fastest in {best}/{n}, fastest or within 10% in {near}/{n}")

@@ -268,13 +268,18 @@ def kv_shard_bytes(p: int, seq: int, batch: int, kv_heads: int, head_dim: int, d
 
 def step_time(
     c: Cluster, P: dict[str, Any], p: int, seq: int, batch: int, heads: int, kv_heads: int,
-    head_dim: int, dtype_bytes: int, strategy: str,
+    head_dim: int, dtype_bytes: int, strategy: str, ranks_per_node: int | None = None,
 ) -> Any:  # fmt: skip
-    """Seconds of one decode step (float or :class:`Lin`), parameters ``P`` in linear form."""
+    """Seconds of one decode step (float or :class:`Lin`), parameters ``P`` in linear form.
+    ``ranks_per_node``: the layout (default: ranks fill the cluster's nodes in order)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     check_shape(p, seq, batch, heads, kv_heads, head_dim, dtype_bytes)
-    r, nodes = c.placement(p)
+    if ranks_per_node is None:
+        r, nodes = c.placement(p)
+    else:
+        r = min(p, ranks_per_node)
+        nodes = -(-p // r)
     slow = _slow(c, r)
     kv = kv_shard_bytes(p, seq, batch, kv_heads, head_dim, dtype_bytes)
     out_b, lse_b = batch * heads * head_dim * STATE_BYTES, batch * heads * STATE_BYTES
@@ -300,11 +305,13 @@ def step_time(
 
 def breakdown(
     cluster: Cluster, p: int, seq: int, batch: int, heads: int, kv_heads: int, head_dim: int,
-    dtype_bytes: int, strategy: str,
+    dtype_bytes: int, strategy: str, ranks_per_node: int | None = None,
 ) -> dict[str, float]:  # fmt: skip
     """Like :func:`predict`, split along the critical path: ``total_s``, ``compute_s`` (attention
     and merges) and ``comm_s`` (everything else), seconds; also ``kv_shard_bytes`` of the fullest rank."""
-    t = step_time(cluster, traced(cluster), p, seq, batch, heads, kv_heads, head_dim, dtype_bytes, strategy)
+    t = step_time(
+        cluster, traced(cluster), p, seq, batch, heads, kv_heads, head_dim, dtype_bytes, strategy, ranks_per_node
+    )
     vals = linear_params(cluster)
     compute = sum(t.c.get(k, 0.0) * vals[k] for k in COMPUTE_PARAMS) if isinstance(t, Lin) else 0.0
     total = value(t)
@@ -318,7 +325,7 @@ def breakdown(
 
 def predict(
     cluster: Cluster, p: int, seq: int, batch: int, heads: int, kv_heads: int, head_dim: int,
-    dtype_bytes: int, strategy: str,
+    dtype_bytes: int, strategy: str, ranks_per_node: int | None = None,
 ) -> float:  # fmt: skip
     """Predicted seconds of one decode step (one query token per sequence).
 
@@ -328,11 +335,24 @@ def predict(
         batch, heads, kv_heads, head_dim: query batch, query heads, K/V heads, head size.
         dtype_bytes: bytes per K/V element (2 for bf16).
         strategy: one of :data:`STRATEGIES`.
+        ranks_per_node: the node layout; default: ranks fill ``cluster``'s nodes in order.
 
     Raises:
         ValueError: unknown strategy, bad shape, ``p`` beyond the cluster, or ``hierarchical``
             with unequal nodes.
     """
     return value(
-        step_time(cluster, linear_params(cluster), p, seq, batch, heads, kv_heads, head_dim, dtype_bytes, strategy)
+        step_time(
+            cluster,
+            linear_params(cluster),
+            p,
+            seq,
+            batch,
+            heads,
+            kv_heads,
+            head_dim,
+            dtype_bytes,
+            strategy,
+            ranks_per_node,
+        )  # fmt: skip
     )

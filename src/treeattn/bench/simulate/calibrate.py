@@ -26,11 +26,10 @@ class _Row(NamedTuple):
     dtype_bytes: int
     seconds: float
     method: str
+    rpn: int | None = None  # ranks per node of a multi-node row
 
     def model(self, c: Cluster, P: dict[str, Any]) -> Any:
-        return step_time(
-            c, P, self.p, self.seq, self.batch, self.heads, self.kv_heads, self.dim, self.dtype_bytes, self.strategy
-        )
+        return step_time(c, P, *self[1:8], self.strategy, self.rpn)
 
 
 def _parse_row(row: Any) -> _Row | None:
@@ -61,6 +60,7 @@ def _parse_row(row: Any) -> _Row | None:
             DTYPE_BYTES[str(row.get("dtype", "float32"))],
             float(row["median_s"]),
             method,
+            int(row["ranks_per_node"]) if row.get("ranks_per_node") else None,
         )
     except (KeyError, TypeError, ValueError, AttributeError):
         return None
@@ -212,7 +212,7 @@ def _calibrate(rows: list[_Row], skipped: int, base: Cluster, max_iter: int = 50
             (new[k] is None and th[k] is None) or abs(new[k] - th[k]) <= 1e-9 * abs(th[k]) + 1e-30 for k in names
         )
         cur = _with_params(base, new)
-        pred = torch.tensor([predict(cur, *r[1:8], r.strategy) for r in rows], dtype=torch.float64)
+        pred = torch.tensor([predict(cur, *r[1:8], r.strategy, r.rpn) for r in rows], dtype=torch.float64)
         rel = (pred - y) / y
         err = float(rel.pow(2).mean())
         if best is None or err < best[0]:
@@ -260,7 +260,8 @@ def calibrate(rows: Iterable[dict[str, Any]], base: Cluster | None = None) -> Ca
     Args:
         rows: dicts as written by ``treeattn bench latency``: ``method`` (``"tree <strategy>"``,
             ``"ring"``, ``"local"``, or ``"single device"`` read as local at p = 1), ``p``, ``seq``,
-            ``batch``, ``heads``, ``kv_heads``, ``dim``, ``dtype``, ``median_s`` (s). Unusable rows
+            ``batch``, ``heads``, ``kv_heads``, ``dim``, ``dtype``, ``median_s`` (s), optionally
+            ``ranks_per_node`` (the layout of a multi-node row; default: the base's placement). Unusable rows
             (other methods, missing or invalid fields) are skipped and counted.
         base: cluster whose topology and defaults are used.
 
@@ -300,7 +301,7 @@ def holdout_report(
     cal = _calibrate(fit, skipped, base or PRESETS["local"])
     points = []
     for r in sorted(held, key=lambda r: (r.method, r.p, r.seq, r.batch, r.heads)):
-        pred = predict(cal.cluster, *r[1:8], r.strategy)
+        pred = predict(cal.cluster, *r[1:8], r.strategy, r.rpn)
         points.append(
             {
                 "method": r.method,
