@@ -25,6 +25,7 @@ calibration sees exactly the features the predictions use.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import asdict, dataclass
@@ -107,8 +108,13 @@ class Cluster:
     def fingerprint(self) -> int:
         """A 63-bit hash of every constant that changes a prediction (not ``name``/``notes``),
         so ranks can agree on the model with one integer."""
-        d = {k: v for k, v in asdict(self).items() if k not in ("name", "notes")}
-        return int.from_bytes(hashlib.sha256(json.dumps(d, sort_keys=True).encode()).digest()[:8], "big") >> 1
+        return _fingerprint(self)
+
+
+@functools.lru_cache(maxsize=16)
+def _fingerprint(c: Cluster) -> int:
+    d = {k: v for k, v in asdict(c).items() if k not in ("name", "notes")}
+    return int.from_bytes(hashlib.sha256(json.dumps(d, sort_keys=True).encode()).digest()[:8], "big") >> 1
 
 
 class Lin:
