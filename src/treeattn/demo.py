@@ -29,7 +29,8 @@ def worker(seq: int, heads: int, kv_heads: int, dim: int, dtype: str, reps: int,
         print(f"| {name} | {r['median_s'] * 1e3:.2f} | {r['p10_s'] * 1e3:.2f}-{r['p90_s'] * 1e3:.2f} | {err} "
               f"| {r['bytes_sent']:,} | {r['collectives']}{sends} |")  # fmt: skip
     best = min(STRATS, key=lambda s: med[f"tree {s}"])
-    print(f"\nauto picked: {extra['auto']}")
+    hint = "; set TREEATTN_PROFILE to use a calibrated one" if extra["auto_model"].startswith("built-in") else ""
+    print(f"\nauto picked: {extra['auto']} (cost model: {extra['auto_model']}{hint})")
     print(f"Ring / Tree(auto) = {med['ring'] / med['tree auto']:.2f}x;  Ring / Tree(best: {best}) = "
           f"{med['ring'] / med[f'tree {best}']:.2f}x;  Tree(auto) / local attention = {med['tree auto'] / med['local']:.2f}x")  # fmt: skip
     print(f"validation (check=True) costs {extra['validation_s'] * 1e3:.2f} ms per call (median, tiny shard)")

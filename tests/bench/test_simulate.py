@@ -137,7 +137,7 @@ def test_multinode_flat_collectives_use_inter_constants():
 def test_auto_is_the_library_choice():
     for p in (8, 64, 1024):
         r = min(p, 8)
-        pick = choose_strategy(16 * 128 * 4, 16 * 4, p, Topology(r))
+        pick = choose_strategy(16 * 128 * 4, 16 * 4, p, Topology(r), profile=DGX)
         assert predict(DGX, p, 1 << 20, **PAPER, strategy="auto") == predict(DGX, p, 1 << 20, **PAPER, strategy=pick)
 
 

@@ -147,12 +147,16 @@ def decode_worker(strategies: list[str]) -> None:
                     with treeattn.metering() as m:
                         out, lse = treeattn.tree_decode(q, ks[rank], vs[rank], **kw)
                     if p == 4 and strategy in ("hierarchical", "auto"):  # the node layout is honoured
-                        nodes = (topo or treeattn.Topology(int(os.environ["LOCAL_WORLD_SIZE"]))).nodes(p)
-                        two_level = nodes not in (1, p)
-                        label = "hierarchical" if strategy == "hierarchical" or two_level else None
-                        calls = {k: c["all_gather"] for k, c in m.by_label.items()}
-                        if label is not None:
-                            assert calls == {label: 2 if two_level else 1}, f"{what}: {m.by_label}"
+                        layout = topo or treeattn.Topology(int(os.environ["LOCAL_WORLD_SIZE"]))
+                        two_level = layout.nodes(p) not in (1, p)
+                        label = strategy
+                        if strategy == "auto":  # the cost model's choice (built-in preset) for this layout
+                            b_, hq, tq = q.shape[:3]
+                            label = treeattn.comm.choose_strategy(b_ * hq * tq * vs[rank].shape[3] * 4,
+                                                                  b_ * hq * tq * 4, p, layout)  # fmt: skip
+                        gathers = {"hierarchical": 2 if two_level else 1, "allgather": 1}.get(label, 0)
+                        calls = {k: c.get("all_gather", 0) for k, c in m.by_label.items()}
+                        assert calls == {label: gathers}, f"{what}: {m.by_label}"
                 ref, pt = expected(q, ks, vs, lens, new_k, new_v, new_mask, scale)
                 check_close(out, lse, q, ref, pt, what)
 

@@ -121,3 +121,12 @@ def markdown(rows: list[dict], columns: list[str]) -> str:
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def finish_figure(fig, axes, path: Path, legend_title: str | None = None, fontsize: int = 7) -> None:
+    """Grid and legend on every axis, tight layout, saved as ``path`` (110 dpi)."""
+    for ax in axes:
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(title=legend_title, fontsize=fontsize)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..parallel import ring_decode, tree_decode
-from .common import make_shard, shard_sizes
+from .common import finish_figure, make_shard, shard_sizes
 
 STRATS = ("allreduce3", "allreduce2", "allgather", "hierarchical")
 
@@ -77,9 +77,5 @@ def plot(rows: list[dict], path: Path) -> None:
             x, y = zip(*pts, strict=True)
             axes[1].plot(x, y, "o-", color=f"C{i}", label=meth)
     axes[1].set(yscale="log", xlabel="ranks p", title=f"context {smax:,}")
-    for ax in axes:
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    finish_figure(fig, axes, path)
     plt.close(fig)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..comm.strategies import choose_strategy
+from ..comm.strategies import auto_model, choose_strategy
 from ..comm.topology import Topology
 from ..ops.attention import _attention
 from ..parallel import ring_decode, tree_decode
@@ -74,7 +74,8 @@ def measure(cfg: dict, seq: int) -> tuple[list[dict], dict]:
                          "p2p_sends": 0, "max_err": None})  # fmt: skip
         dist.barrier()
     extra = {
-        "auto": choose_strategy(B * H * D * 4, B * H * 4, p, Topology.from_env()),
+        "auto": choose_strategy(B * H * D * 4, B * H * 4, p, Topology.from_env(), profile=auto_model()[0]),
+        "auto_model": auto_model()[1],
         "validation_s": validation_cost(q, k[:, :, :16], v[:, :, :16]),
         "tol": tol,
     }

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..parallel import ring_decode, tree_decode
 from ..parallel.ring import release_buffers
-from .common import make_shard, peak_memory, shard_sizes
+from .common import finish_figure, make_shard, peak_memory, shard_sizes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -92,9 +92,5 @@ def plot(rows: list[dict], path: Path) -> None:
             axes[1].plot(x, [v / 2**20 for v in m], "o-", color=c, label=f"{meth} measured")
             axes[1].plot(x, [v / 2**20 for v in pr], "--", color=c, alpha=0.6, label=f"{meth} eq. 8-9")
     axes[1].set(xscale="log", yscale="log", xlabel="hidden size (heads x dim)", title=f"context {seqs[-1]:,}")
-    for ax in axes:
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    finish_figure(fig, axes, path)
     plt.close(fig)

@@ -4,7 +4,7 @@ Knows nothing about attention beyond "reduce these states over this group"."""
 
 from .collectives import CollectiveError
 from .meter import CommMeter, metering
-from .strategies import STRATEGIES, LinkModel, choose_strategy, reduce_states, strategy_costs
+from .strategies import STRATEGIES, LinkModel, auto_model, choose_strategy, reduce_states, strategy_costs
 from .topology import Topology
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "CommMeter",
     "LinkModel",
     "Topology",
+    "auto_model",
     "choose_strategy",
     "metering",
     "reduce_states",

@@ -10,17 +10,21 @@ Every strategy is exact and leaves the same merged state on every rank, float32:
 - ``hierarchical``: all-gather + merge inside each node, then all-gather + merge among the
   ranks with the same local index across nodes (2 collectives, the slow inter-node one
   carries one state per node). With one node or one rank per node it is ``allgather``.
-- ``auto``: the cheapest by :func:`choose_strategy`.
+- ``auto``: the cheapest by the cost model (:mod:`treeattn.cost`): a calibrated profile when
+  given (``profile=`` or ``$TREEATTN_PROFILE``), else the built-in preset of the backend.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..cost.model import Cluster, choose, reduction_costs
+from ..cost.profile import resolve
 from ..ops.state import merge_states_n
 from . import meter
 from .collectives import all_gather, all_reduce, world
@@ -31,57 +35,63 @@ STRATEGIES: tuple[str, ...] = ("auto", "allreduce3", "allreduce2", "allgather", 
 
 @dataclass(frozen=True)
 class LinkModel:
-    """Alpha-beta constants of the cost model ``t = k * alpha + bytes / beta`` used by
-    ``auto``. Defaults: 30 µs per collective and 10 GB/s, roughly NVLink-less intra-node;
-    ``inter_*`` apply to the cross-node step of ``hierarchical``."""
+    """Overrides of a cost model's link constants (kept for compatibility; prefer a
+    :class:`~treeattn.cost.Cluster` or a profile). None keeps the model's value: ``alpha``/``beta``
+    are the intra-node latency per step (s) and bandwidth (B/s), ``inter_*`` the inter-node ones."""
 
-    alpha: float = 30e-6
-    beta: float = 10e9
-    inter_alpha: float = 60e-6
-    inter_beta: float = 5e9
+    alpha: float | None = None
+    beta: float | None = None
+    inter_alpha: float | None = None
+    inter_beta: float | None = None
+
+    def apply(self, cluster: Cluster) -> Cluster:
+        kw = {"intra_alpha": self.alpha, "intra_beta": self.beta}
+        kw |= {"inter_alpha": self.inter_alpha, "inter_beta": self.inter_beta}
+        return replace(cluster, **{k: v for k, v in kw.items() if v is not None})
+
+
+def _cluster(link: LinkModel | None, profile: Any, backend: str | None = None) -> tuple[Cluster, str]:
+    cluster, source = resolve(profile, backend)
+    return (cluster, source) if link is None else (link.apply(cluster), f"{source} with {link}")
+
+
+def _ranks_per_node(p: int, topology: Topology | None) -> int:
+    return p if topology is None else topology.ranks_per_node
 
 
 def strategy_costs(
-    out_bytes: int, lse_bytes: int, p: int, topology: Topology | None = None, link: LinkModel = LinkModel()
+    out_bytes: int,
+    lse_bytes: int,
+    p: int,
+    topology: Topology | None = None,
+    link: LinkModel | None = None,
+    *,
+    profile: Any = None,
 ) -> dict[str, float]:
-    """Modelled seconds of each strategy for one state (``out_bytes`` + ``lse_bytes`` per
-    rank, float32) over ``p`` ranks, with ring algorithms (gloo's, and NCCL's for large
-    groups): an all-gather costs ``(p-1)`` latency steps and ``(p-1) n`` bytes; an all-reduce
-    ``2 (p-1)`` steps and ``2 (p-1)/p n`` bytes. With a multi-node ``topology``, flat
-    collectives pay the inter-node constants and ``hierarchical`` pays intra-node constants
-    for its first step only."""
+    """Modelled seconds of each strategy reducing one float32 state (``out_bytes`` +
+    ``lse_bytes`` per rank) over ``p`` ranks laid out by ``topology`` (None: one node),
+    collectives and merges, by :func:`treeattn.cost.reduction_costs`. ``profile``: a profile
+    path, a :class:`~treeattn.cost.Cluster` or None (``$TREEATTN_PROFILE``, else the built-in
+    ``local`` preset); ``link`` overrides its link constants. ``hierarchical`` on unequal
+    nodes costs ``inf``."""
     if p <= 1:
         return dict.fromkeys(STRATEGIES[1:], 0.0)
-
-    def ag(n: int, q: int, a: float, b: float) -> float:
-        return (q - 1) * (a + n / b)
-
-    def ar(n: int, a: float, b: float) -> float:
-        return 2 * (p - 1) * a + 2 * (p - 1) / p * n / b
-
-    multi = topology is not None and 1 < topology.ranks_per_node < p and p % topology.ranks_per_node == 0
-    a, b = (link.inter_alpha, link.inter_beta) if multi else (link.alpha, link.beta)
-    state = out_bytes + lse_bytes
-    costs = {
-        "allreduce3": 2 * ar(lse_bytes, a, b) + ar(out_bytes, a, b),
-        "allreduce2": ar(lse_bytes, a, b) + ar(state, a, b),
-        "allgather": ag(state, p, a, b),
-    }
-    if multi:
-        r = topology.ranks_per_node
-        costs["hierarchical"] = ag(state, r, link.alpha, link.beta) + ag(state, p // r, a, b)
-    else:
-        costs["hierarchical"] = costs["allgather"]
-    return costs
+    cluster, _ = _cluster(link, profile)
+    return reduction_costs(cluster, out_bytes, lse_bytes, p, _ranks_per_node(p, topology))
 
 
 def choose_strategy(
-    out_bytes: int, lse_bytes: int, p: int, topology: Topology | None = None, link: LinkModel = LinkModel()
+    out_bytes: int,
+    lse_bytes: int,
+    p: int,
+    topology: Topology | None = None,
+    link: LinkModel | None = None,
+    *,
+    profile: Any = None,
 ) -> str:
-    """The strategy with the least modelled cost; ties go to the fewest collectives."""
-    costs = strategy_costs(out_bytes, lse_bytes, p, topology, link)
-    order = ["allgather", "hierarchical", "allreduce2", "allreduce3"]
-    return min(order, key=lambda s: (costs[s], order.index(s)))
+    """The strategy with the least modelled cost (:func:`strategy_costs`); ties go to the fewest collectives."""
+    cluster, _ = _cluster(link, profile)
+    return choose(cluster, out_bytes, lse_bytes, p, _ranks_per_node(p, topology))
 
 
 def reduce_states(
@@ -91,6 +101,7 @@ def reduce_states(
     group: dist.ProcessGroup | None = None,
     strategy: str = "auto",
     topology: Topology | None = None,
+    profile: Any = None,
 ) -> tuple[Tensor, Tensor]:
     """Merge this rank's state with every other rank's state in ``group``.
 
@@ -98,6 +109,13 @@ def reduce_states(
         out: ``[..., Dv]`` any float dtype (made float32). lse: ``out.shape[:-1]``.
         strategy: one of :data:`STRATEGIES`. topology: for ``hierarchical``/``auto``;
             default from ``LOCAL_WORLD_SIZE``.
+        profile: the cost model of ``auto``: a profile path, a :class:`~treeattn.cost.Cluster`,
+            a :class:`~treeattn.cost.Profile` or None (``$TREEATTN_PROFILE``, else the built-in
+            preset of the group's backend). Every rank must pass the same model
+            (:func:`~treeattn.tree_decode` checks that; this function does not).
+
+    Raises:
+        ValueError: unknown strategy; :class:`~treeattn.cost.ProfileError` for a bad profile.
 
     Returns:
         The merged ``(out, lse)``, float32, identical on every rank.
@@ -111,13 +129,24 @@ def reduce_states(
         return out, lse
     topology = topology if topology is not None else Topology.from_env()
     if strategy == "auto":
-        strategy = choose_strategy(out.numel() * 4, lse.numel() * 4, p, topology)
+        strategy = choose(
+            auto_model(profile, group)[0], out.numel() * 4, lse.numel() * 4, p, _ranks_per_node(p, topology)
+        )
     with meter.label(strategy):
         if strategy == "allgather":
             return _allgather(out, lse, group)
         if strategy == "hierarchical":
             return _hierarchical(out, lse, group, topology)
         return _allreduce(out, lse, group, packed=strategy == "allreduce2")
+
+
+def auto_model(profile: Any = None, group: dist.ProcessGroup | None = None) -> tuple[Cluster, str]:
+    """``(cluster, description)`` of the cost model ``auto`` uses for ``profile`` on ``group``."""
+    try:
+        backend = dist.get_backend(group) if dist.is_initialized() else None
+    except (RuntimeError, ValueError):
+        backend = None
+    return resolve(profile, backend)
 
 
 def _allgather(out: Tensor, lse: Tensor, group) -> tuple[Tensor, Tensor]:

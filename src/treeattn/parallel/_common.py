@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -68,11 +70,16 @@ def validate_decode(
     kv_start: Tensor | None = None,
     softcap: float | None = None,
     window: int | None = None,
+    cost_model: Callable[[], int] | None = None,
 ) -> None:
     """Local checks on this rank, then one all-gather so every rank raises the same
-    ``ValueError`` when any rank's input is bad or the ranks disagree on the metadata."""
+    ``ValueError`` when any rank's input is bad or the ranks disagree on the metadata.
+    ``cost_model``: returns the fingerprint of ``auto``'s cost model (may raise ValueError)."""
     err = None
+    model = 0
     try:
+        if cost_model is not None:
+            model = cost_model()
         if op not in allowed:
             raise ValueError(f"strategy must be one of {tuple(allowed)}, got {op!r}")
         check_attention_inputs(q, k, v, kv_lens, scale=scale, kv_start=kv_start, softcap=softcap)
@@ -97,6 +104,7 @@ def validate_decode(
         "kv_start": -1 if not ok or kv_start is None else kv_start.ndim,
         "softcap": float_bits(softcap) if ok and softcap is not None else 0,
         "window": window if ok and window is not None else 0,
+        "cost model (profile)": model,
     }
     show = {
         "dtype": _DTYPE_NAMES,

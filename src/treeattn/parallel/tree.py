@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..comm.strategies import STRATEGIES, reduce_states
+from ..comm.strategies import STRATEGIES, auto_model, reduce_states
 from ..comm.topology import Topology
 from ..ops.attention import _attention
 from ..ops.state import merge_states
@@ -53,6 +55,7 @@ def tree_decode(
     kv_start: Tensor | None = None,
     softcap: float | None = None,
     window: int | None = None,
+    profile: Any = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention of ``q`` over a KV cache sharded along the sequence across ``group``.
 
@@ -86,6 +89,11 @@ def tree_decode(
             (Gemma-2), applied inside the local kernel before the lse; same on every rank.
         window: sliding window of the *new tokens'* default causal mask (query i sees new
             token j iff ``0 <= i - j < window``); with ``new_mask`` the mask decides.
+        profile: the cost model ``auto`` decides with: a calibrated profile's path (written by
+            ``treeattn simulate --calibrate ... --profile-out``), a :class:`treeattn.cost.Cluster`
+            or :class:`treeattn.cost.Profile`, or None: the file named by ``$TREEATTN_PROFILE``,
+            else the built-in preset of the group's backend (``local``; ``dgx-h100`` on NCCL).
+            With ``check`` the ranks agree on the model (a hash of its constants) first.
 
     Returns:
         ``out [B, Hq, Tq, Dv]`` in q's dtype, the same on every rank; with ``return_lse``
@@ -95,18 +103,27 @@ def tree_decode(
         ValueError: on *every* rank, when any rank's input is invalid or ranks disagree on
             B, Hq, Hkv, D, Dv, Tq, dtype, scale, strategy, the presence of new tokens, the
             shape of ``new_mask`` (or its absence), the topology's ranks per node, softcap,
-            window or the presence and rank of ``kv_start``.
+            window, the presence and rank of ``kv_start`` or (``auto``) the cost model; also
+            when a rank's profile is absent or malformed (:class:`treeattn.cost.ProfileError`
+            names the file and the field).
     """
     if check:
         topo = topology if topology is not None else Topology.from_env()
         rpn = topo.ranks_per_node if topo is not None else 0
-        validate_decode(
-            q, k, v, kv_lens, new_k, new_v, new_mask, scale, strategy, group, STRATEGIES, rpn, kv_start, softcap, window
-        )
+        model = None
+
+        def fingerprint() -> int:
+            nonlocal model
+            model = auto_model(profile, group)[0]
+            return model.fingerprint()
+
+        validate_decode(q, k, v, kv_lens, new_k, new_v, new_mask, scale, strategy, group, STRATEGIES, rpn,
+                        kv_start, softcap, window, fingerprint if strategy == "auto" else None)  # fmt: skip
+        profile = model if model is not None else profile
     out, lse = _attention(
         q, k, v, scale=scale, kv_lens=kv_lens, kv_start=kv_start, softcap=softcap, backend=backend, keep_fp32=True
     )
-    out, lse = reduce_states(out, lse, group=group, strategy=strategy, topology=topology)
+    out, lse = reduce_states(out, lse, group=group, strategy=strategy, topology=topology, profile=profile)
     if new_k is not None:
         out, lse = merge_states(
             out, lse, *new_token_state(q, new_k, new_v, new_mask, scale, softcap=softcap, window=window)
