@@ -192,14 +192,6 @@ def generate(
     rank, p = world(group)
     err, lens, eos, pad = None, None, [], 0
     try:  # local checks; the verdict is shared below so a bad argument on one rank fails all
-        why = unsupported_reason(model.config, training=model.training)
-        if why is None and not getattr(model, "_supports_attention_backend", False):
-            why = (
-                f"{type(model).__name__}: its attention does not go through transformers' attention interface, "
-                "so treeattn cannot run it"
-            )
-        if why is not None:
-            raise ValueError(why)
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
         if input_ids.ndim != 2 or input_ids.shape[1] == 0:
@@ -211,6 +203,16 @@ def generate(
         lens = _prompt_lens(input_ids, attention_mask)
         if bool((lens < 1).any()):
             raise ValueError(f"every prompt needs at least one token, got lengths {lens.tolist()}")
+        if getattr(model, "config", None) is None:
+            raise ValueError(f"model must be a transformers model with a .config, got {type(model).__name__}")
+        why = unsupported_reason(model.config, training=model.training)
+        if why is None and not getattr(model, "_supports_attention_backend", False):
+            why = (
+                f"{type(model).__name__}: its attention does not go through transformers' attention interface, "
+                "so treeattn cannot run it"
+            )
+        if why is not None:
+            raise ValueError(why)
         max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         if max_pos and input_ids.shape[1] + max_new_tokens > max_pos:
             L0 = input_ids.shape[1]
