@@ -8,6 +8,8 @@ import time
 
 import torch
 
+from ._host import available_memory
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -47,24 +49,13 @@ def _core_demo(a: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _mem_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def _demo(a: argparse.Namespace) -> int:
     from .demo import worker
     from .launch import LaunchError, launch
 
     kv = a.seq * (a.kv_heads or a.heads) * a.dim * 2 * DTYPES[a.dtype].itemsize
     need = 4 * kv  # the shards, ring's two receive buffers per rank, rank 0's full copy for the reference
-    avail = _mem_available()
+    avail = available_memory()
     if avail is not None and need > avail:
         print(
             f"treeattn demo: {a.seq:,} tokens x {a.kv_heads or a.heads} kv heads x {a.dim} ({a.dtype}) needs about "

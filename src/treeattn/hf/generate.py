@@ -16,6 +16,7 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
+from .._host import peak_memory_bytes
 from ..cache import ShardedKVCache
 from ..comm.collectives import all_reduce, world
 from ..comm.validate import agree, float_bits
@@ -93,24 +94,6 @@ def _pad_id(model: torch.nn.Module, pad_token_id: int | None, eos: list[int]) ->
 def _checksum(t: Tensor) -> int:
     t = t.detach().cpu().to(torch.int64).reshape(-1)
     return int(((t + 1) * torch.arange(1, t.numel() + 1)).sum() % (1 << 61)) if t.numel() else 0
-
-
-def peak_memory_bytes(device: torch.device | str = "cpu") -> int:
-    """Peak memory of this process so far: device memory allocated by torch on CUDA, else
-    the peak resident set (Linux ``VmHWM``: weights, KV cache, activations, everything)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 @torch.no_grad()

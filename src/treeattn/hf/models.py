@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from .._host import available_memory  # noqa: F401  (re-exported: the CLI reads it from here)
+
 _WEIGHTS = ("*.safetensors", "*.safetensors.index.json")
 _HUB_FILES = ["*.json", "*.jinja", "*.txt", "*.model", "tokenizer*", *_WEIGHTS]
 
@@ -228,15 +230,3 @@ def memory_plan(config, *, prompt_len: int, max_new_tokens: int, nproc: int, bat
     act += batch * nproc * chunk * c.num_attention_heads * (2 * hd + 1) * 4 * 3
     act += batch * c.vocab_size * 4 * 2
     return {"weights": n_params * es, "kv_cache": kv, "activations": act, "total": n_params * es + kv + act}
-
-
-def available_memory() -> int | None:
-    """Bytes of memory this host can still give (``MemAvailable``), or None if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
