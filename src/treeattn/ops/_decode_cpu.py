@@ -187,7 +187,7 @@ def decode_cpu(
     lse = torch.empty(B, H, R, dtype=torch.float32)
     nt = torch.get_num_threads() if threads is None else int(threads)
     kv_bytes = (D + Dv) * k.element_size() * B * H * S
-    nt = max(1, min(nt, kv_bytes // _MIN_BYTES_PER_THREAD))
+    nt = max(1, min(nt, kv_bytes // max(1, _MIN_BYTES_PER_THREAD)))
     cap = float(softcap) if softcap else 0.0
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     rc = lib.treeattn_decode(

@@ -12,8 +12,8 @@ from .state import empty_state, merge_states
 
 __all__ = ["attention_with_lse", "check_attention_inputs", "BACKENDS"]
 
-Backend = Literal["auto", "torch", "flash_cpu"]
-BACKENDS: tuple[str, ...] = ("auto", "torch", "flash_cpu")
+Backend = Literal["auto", "torch", "flash_cpu", "decode_cpu", "fused_cuda"]
+BACKENDS: tuple[str, ...] = ("auto", "torch", "flash_cpu", "decode_cpu", "fused_cuda")
 
 # Largest score block the chunked path materialises, in elements (float32: 32 MiB).
 _SCORE_BUDGET = 1 << 23
@@ -95,8 +95,12 @@ def attention_with_lse(
             as flash-attn for Tq > 1): query ``i`` sees keys ``0 .. L - Tq + i``.
         backend: ``"torch"`` (pure torch, chunked over S so the float32 score block stays
             under 32 MiB, any device), ``"flash_cpu"`` (PyTorch's fused CPU flash kernel,
-            a private aten op; CPU, equal q/v head dims, S > 0), or ``"auto"`` (the faster
-            exact one for the call; measurements under "Backend speed" in the README).
+            a private aten op; CPU, equal q/v head dims, S > 0), ``"decode_cpu"`` (a
+            streaming C kernel built with the system compiler on first use, one pass over
+            each KV head for all its query heads, pure-PyTorch fallback without a compiler;
+            CPU, float32/bfloat16/float16), ``"fused_cuda"`` (flash-attn / PyTorch's fused
+            CUDA kernels that return the log-sum-exp; CUDA), or ``"auto"`` (the faster exact
+            one for the call; measurements next to ``_pick_backend`` and in the README).
 
     Returns:
         ``(out, lse)``: ``out [B, Hq, Tq, Dv]`` in q's dtype and ``lse [B, Hq, Tq]``
@@ -135,6 +139,8 @@ def _attention(
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     if backend == "auto":
         backend = _pick_backend(q, k, v)
+        if backend in ("decode_cpu", "fused_cuda") and mask is not None:
+            backend = "flash_cpu" if backend == "decode_cpu" and Dv == D else "torch"
     ragged = False  # some sequence has keys masked by kv_lens: they must not even be read
     if kv_lens is not None and B:
         if kv_lens.device.type == "cpu":  # bounds without a device sync
@@ -152,7 +158,23 @@ def _attention(
     vis = None
     if mask is not None:  # rows r = g * Tq + i take mask row i
         vis = mask.to(q.device).index_select(1, torch.arange(qg.shape[2], device=q.device) % Tq).unsqueeze(1)
-    if backend == "flash_cpu":
+    if backend in ("decode_cpu", "fused_cuda") and mask is not None:
+        raise ValueError(f"backend {backend!r} takes no dense mask; use 'torch' or 'flash_cpu'")
+    if backend == "decode_cpu":
+        if q.device.type != "cpu":
+            raise ValueError(f"backend 'decode_cpu' needs CPU tensors, got {q.device}")
+        from ._decode_cpu import decode_cpu
+
+        hi = None if lim is None else lim.reshape(B, qg.shape[2])
+        out, lse = decode_cpu(qg, k, v, scale, None, hi, None)
+        if acc == torch.float64:
+            out, lse = out.double(), lse.double()
+    elif backend == "fused_cuda":
+        from ._fused_cuda import fused_cuda
+
+        hi = None if lim is None else lim.reshape(B, qg.shape[2])
+        out, lse = fused_cuda(qg, k, v, scale, kv_lens if ragged else None, hi, causal, None)
+    elif backend == "flash_cpu":
         if q.device.type != "cpu" or Dv != D:
             raise ValueError(f"backend 'flash_cpu' needs CPU tensors with Dv == D, got {q.device}, D={D}, Dv={Dv}")
         if ragged:  # a masked key holding NaN/inf would still poison the fused kernel's sums
@@ -165,12 +187,33 @@ def _attention(
     return out.to(acc if keep_fp32 else q.dtype).reshape(B, Hq, Tq, Dv), lse.reshape(B, Hq, Tq)
 
 
+# Largest rows per KV head (G * Tq) for which auto picks decode_cpu, per dtype: beyond
+# these the matmul-based flash_cpu kernel wins (decode_cpu re-reads each L1-resident key
+# block once per row). See _pick_backend for the measurements.
+_DECODE_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 64, torch.float16: 64}
+
+
 def _pick_backend(q: Tensor, k: Tensor, v: Tensor) -> str:
-    # Measured on a 1-thread CPU (see the benchmark in the README): the fused CPU kernel is
-    # at least as fast as the grouped matmul path in float32/float64 and much faster in
-    # half precision, where the matmul path upcasts K/V chunks to float32.
-    if q.device.type == "cpu" and v.shape[3] == q.shape[3]:
-        return "flash_cpu"
+    # CPU, measured with `treeattn bench kernel` (1 thread, B=1, D=128, Tq=1; docs/benchmarks.md,
+    # "Decode kernel"): decode_cpu vs flash_cpu at S=64k on a loaded 2-core EPYC VM:
+    #   float32 16/16 ~1.2-1.7x faster, 32/8 ~1.1-1.3x; bfloat16 16/16 ~2x, 32/8 ~1.5x.
+    #   Rows per KV head (G*Tq) sweep, S=16k, 8 KV heads: decode_cpu stays ahead up to 64
+    #   rows in both dtypes (_DECODE_MAX_ROWS); past that flash_cpu's GEMM blocking wins.
+    # flash_cpu: at least as fast as the grouped matmul path in float32/float64 and much
+    # faster in half precision, where the matmul path upcasts K/V chunks to float32.
+    # CUDA: the fused kernels (flash-attn / aten flash / mem-efficient) when available.
+    if q.device.type == "cpu":
+        rows = (q.shape[1] // k.shape[1]) * q.shape[2]
+        if rows <= _DECODE_MAX_ROWS.get(q.dtype, 0):
+            return "decode_cpu"
+        if v.shape[3] == q.shape[3]:
+            return "flash_cpu"
+        return "torch"
+    if q.device.type == "cuda":
+        from ._fused_cuda import fused_cuda_supported
+
+        if fused_cuda_supported(q, k, v):
+            return "fused_cuda"
     return "torch"
 
 
