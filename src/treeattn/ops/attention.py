@@ -187,18 +187,21 @@ def _attention(
     return out.to(acc if keep_fp32 else q.dtype).reshape(B, Hq, Tq, Dv), lse.reshape(B, Hq, Tq)
 
 
-# Largest rows per KV head (G * Tq) for which auto picks decode_cpu, per dtype: beyond
-# these the matmul-based flash_cpu kernel wins (decode_cpu re-reads each L1-resident key
-# block once per row). See _pick_backend for the measurements.
-_DECODE_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 64, torch.float16: 64}
+# Largest rows per KV head (G * Tq) for which auto picks decode_cpu, per dtype (measured,
+# see _pick_backend): past these flash_cpu's GEMM blocking wins in float32/bfloat16.
+_DECODE_MAX_ROWS = {torch.float32: 4, torch.bfloat16: 4, torch.float16: 256}
 
 
 def _pick_backend(q: Tensor, k: Tensor, v: Tensor) -> str:
-    # CPU, measured with `treeattn bench kernel` (1 thread, B=1, D=128, Tq=1; docs/benchmarks.md,
-    # "Decode kernel"): decode_cpu vs flash_cpu at S=64k on a loaded 2-core EPYC VM:
-    #   float32 16/16 ~1.2-1.7x faster, 32/8 ~1.1-1.3x; bfloat16 16/16 ~2x, 32/8 ~1.5x.
-    #   Rows per KV head (G*Tq) sweep, S=16k, 8 KV heads: decode_cpu stays ahead up to 64
-    #   rows in both dtypes (_DECODE_MAX_ROWS); past that flash_cpu's GEMM blocking wins.
+    # CPU, 1 thread, B=1, D=128, on a shared 2-core EPYC VM under load (loadavg 5-7), medians:
+    # `treeattn bench kernel` (Tq=1; docs/benchmarks.md "Decode kernel"), decode_cpu vs
+    # flash_cpu ms: fp32 16/16 S=16k/64k/256k 63/176/927 vs 80/280/1317; fp32 32/8
+    # 33/116/620 vs 40/131/670; bf16 16/16 34/139/417 vs 124/532/1973; bf16 32/8 12/51/194
+    # vs 14/52/222. Rows per KV head sweep (S=16k, 8 KV heads), flash_cpu/decode_cpu time:
+    #   rows   4     8     16    32    64    128   256
+    #   fp32   1.28  0.82  0.90  0.71  0.82  0.84  0.71
+    #   bf16   1.08  0.94  0.79  0.68  0.82  0.60  0.61
+    #   fp16   3.80  -     -     1.11  1.83  1.69  1.21   (flash_cpu is slow in fp16)
     # flash_cpu: at least as fast as the grouped matmul path in float32/float64 and much
     # faster in half precision, where the matmul path upcasts K/V chunks to float32.
     # CUDA: the fused kernels (flash-attn / aten flash / mem-efficient) when available.
