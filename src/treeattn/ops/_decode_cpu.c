@@ -16,6 +16,9 @@
 #define DT_F32 0
 #define DT_BF16 1
 #define DT_F16 2
+#ifndef FUSED_PF
+#define FUSED_PF 0 /* bytes ahead to prefetch in the fused loop (0: hardware prefetch only) */
+#endif
 #define PF_AHEAD 64 /* keys ahead to prefetch (converting loads) */
 #ifndef PF_BYTES
 #define PF_BYTES 16384 /* bytes ahead to prefetch in the fp32 loops */
@@ -363,6 +366,204 @@ static void run_task(const job_t *J, int64_t t, float *kbuf, float *vbuf, float 
     }
 }
 
+
+#ifdef HAVE_AVX2
+/* 8 floats from row p (float32, or bfloat16 widened by a 16-bit shift) at element i */
+#define LD8(p, i, bf)                                                                                     \
+    ((bf) ? _mm256_castsi256_ps(_mm256_slli_epi32(                                                      \
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)(p) + (i)))), 16)) \
+          : _mm256_loadu_ps((const float *)(p) + (i)))
+
+static inline __attribute__((always_inline)) void dot1_x(const float *q, const char *k, int64_t D, float *s, int bf) {
+    __m256 a0 = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), LD8(k, d, bf), a0);
+    *s = hsum8(a0);
+}
+
+static inline __attribute__((always_inline)) void axpy1_x(float *o, const char *v, int64_t Dv, float p, int bf) {
+    const __m256 p0 = _mm256_set1_ps(p);
+    for (int64_t d = 0; d < Dv; d += 8) _mm256_storeu_ps(o + d, _mm256_fmadd_ps(p0, LD8(v, d, bf), _mm256_loadu_ps(o + d)));
+}
+
+/* scores of 4 keys (rows k, k+ks, ...) into s[0..3] and, in the same pass, o += sum_i p[i] v_i
+ * for 4 value rows: K of the next block and V of the current one stream side by side, which
+ * keeps twice the cache misses in flight of either loop alone. nk, nv: 0 or 4. */
+static inline __attribute__((always_inline)) void dot_axpy4_x(const float *q, const char *k, int64_t ks, int64_t D,
+                                                              float *s, int nk, float *o, const char *v, int64_t vs,
+                                                              int64_t Dv, const float *p, int nv, int bf) {
+    const char *k1 = k + ks, *k2 = k1 + ks, *k3 = k2 + ks, *v1 = v + vs, *v2 = v1 + vs, *v3 = v2 + vs;
+    const int64_t el = bf ? 2 : 4;
+    (void)el;
+    if (nk && nv && D == Dv) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        const __m256 p0 = _mm256_set1_ps(p[0]), p1 = _mm256_set1_ps(p[1]), p2 = _mm256_set1_ps(p[2]),
+                     p3 = _mm256_set1_ps(p[3]);
+        for (int64_t d = 0; d < D; d += 8) {
+#if FUSED_PF > 0
+            if (!(d & (bf ? 31 : 15))) {
+                _mm_prefetch((const char *)k + d * el + FUSED_PF, _MM_HINT_T0);
+                _mm_prefetch((const char *)k1 + d * el + FUSED_PF, _MM_HINT_T0);
+                _mm_prefetch((const char *)k2 + d * el + FUSED_PF, _MM_HINT_T0);
+                _mm_prefetch((const char *)k3 + d * el + FUSED_PF, _MM_HINT_T0);
+                _mm_prefetch((const char *)v + d * el + FUSED_PF, _MM_HINT_T0);
+                _mm_prefetch((const char *)v1 + d * el + FUSED_PF, _MM_HINT_T0);
+                _mm_prefetch((const char *)v2 + d * el + FUSED_PF, _MM_HINT_T0);
+                _mm_prefetch((const char *)v3 + d * el + FUSED_PF, _MM_HINT_T0);
+            }
+#endif
+            __m256 x = _mm256_loadu_ps(q + d);
+            a0 = _mm256_fmadd_ps(x, LD8(k, d, bf), a0);
+            a1 = _mm256_fmadd_ps(x, LD8(k1, d, bf), a1);
+            a2 = _mm256_fmadd_ps(x, LD8(k2, d, bf), a2);
+            a3 = _mm256_fmadd_ps(x, LD8(k3, d, bf), a3);
+            __m256 y = _mm256_loadu_ps(o + d);
+            y = _mm256_fmadd_ps(p0, LD8(v, d, bf), y);
+            y = _mm256_fmadd_ps(p1, LD8(v1, d, bf), y);
+            y = _mm256_fmadd_ps(p2, LD8(v2, d, bf), y);
+            y = _mm256_fmadd_ps(p3, LD8(v3, d, bf), y);
+            _mm256_storeu_ps(o + d, y);
+        }
+        __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+        _mm_storeu_ps(s, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+        return;
+    }
+    if (nk) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t d = 0; d < D; d += 8) {
+            __m256 x = _mm256_loadu_ps(q + d);
+            a0 = _mm256_fmadd_ps(x, LD8(k, d, bf), a0);
+            a1 = _mm256_fmadd_ps(x, LD8(k1, d, bf), a1);
+            a2 = _mm256_fmadd_ps(x, LD8(k2, d, bf), a2);
+            a3 = _mm256_fmadd_ps(x, LD8(k3, d, bf), a3);
+        }
+        __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+        _mm_storeu_ps(s, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    }
+    if (nv) {
+        const __m256 p0 = _mm256_set1_ps(p[0]), p1 = _mm256_set1_ps(p[1]), p2 = _mm256_set1_ps(p[2]),
+                     p3 = _mm256_set1_ps(p[3]);
+        for (int64_t d = 0; d < Dv; d += 8) {
+            __m256 y = _mm256_loadu_ps(o + d);
+            y = _mm256_fmadd_ps(p0, LD8(v, d, bf), y);
+            y = _mm256_fmadd_ps(p1, LD8(v1, d, bf), y);
+            y = _mm256_fmadd_ps(p2, LD8(v2, d, bf), y);
+            y = _mm256_fmadd_ps(p3, LD8(v3, d, bf), y);
+            _mm256_storeu_ps(o + d, y);
+        }
+    }
+}
+
+/* softmax of row r's block scores s[0..n) into weights, updating its running max/denominator
+ * and rescaling its accumulator */
+static inline void softmax_block(float *s, int64_t n, float cap, float *mx, double *den, float *o, int64_t Dv) {
+    if (cap > 0)
+        for (int64_t i = 0; i < n; i++) s[i] = softcap_f(s[i], cap);
+    float bm = -INFINITY;
+    for (int64_t i = 0; i < n; i++) bm = s[i] > bm ? s[i] : bm;
+    if (bm > *mx) {
+        if (*mx > -INFINITY) {
+            float c = exp_neg(*mx - bm);
+            *den *= c;
+            for (int64_t d = 0; d < Dv; d++) o[d] *= c;
+        }
+        *mx = bm;
+    }
+    const __m256 vm = _mm256_set1_ps(*mx);
+    __m256 vs = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = exp8_neg(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
+        _mm256_storeu_ps(s + i, x);
+        vs = _mm256_add_ps(vs, x);
+    }
+    float sum = hsum8(vs);
+    for (; i < n; i++) {
+        s[i] = exp_neg(s[i] - *mx);
+        sum += s[i];
+    }
+    *den += sum;
+}
+
+/* float32/bfloat16, D and Dv multiples of 8: software-pipelined over blocks, the scores of
+ * block b+1 computed in the same loop that accumulates the values of block b. */
+static inline __attribute__((always_inline)) void run_task_fast_x(const job_t *J, int64_t t, float *sbuf, int64_t *rng,
+                                                                  int bf) {
+    const int64_t R = J->R, D = J->D, Dv = J->Dv, S = J->S, BS = J->block;
+    const int64_t bh = t / J->nsplit, sp = t % J->nsplit, b = bh / J->H, h = bh % J->H;
+    const float *q = J->q + bh * R * D;
+    float *acc = J->po + t * R * Dv, *mx = J->pm + t * R;
+    double *den = J->pl + t * R;
+    const int64_t el = bf ? 2 : 4, kst = J->kss * el, vst = J->vss * el;
+    const char *kb = (const char *)J->k + (b * J->ksb + h * J->ksh) * el;
+    const char *vb = (const char *)J->v + (b * J->vsb + h * J->vsh) * el;
+    const int64_t *lo = J->lo ? J->lo + b * R : NULL, *hi = J->hi ? J->hi + b * R : NULL;
+    const int64_t s0 = sp * J->chunk, s1 = s0 + J->chunk < S ? s0 + J->chunk : S;
+    int64_t ulo = s1, uhi = s0;
+    for (int64_t r = 0; r < R; r++) {
+        int64_t a = lo ? lo[r] : 0, e = hi ? hi[r] : S;
+        a = a < s0 ? s0 : a;
+        e = e > s1 ? s1 : e;
+        if (a < e) {
+            ulo = a < ulo ? a : ulo;
+            uhi = e > uhi ? e : uhi;
+        }
+        mx[r] = -INFINITY;
+        den[r] = 0.0;
+    }
+    memset(acc, 0, sizeof(float) * R * Dv);
+    if (ulo >= uhi) return;
+    const int64_t nb = (uhi - ulo + BS - 1) / BS;
+    const float cap = J->softcap;
+    for (int64_t blk = -1; blk < nb; blk++) {
+        /* block blk: weights + values; block blk+1: scores. Rows inside the loop over groups
+         * of 4 keys: the first row streams each K/V byte from memory, the others hit L1. */
+        const int64_t c0 = ulo + blk * BS, c1 = c0 + BS < uhi ? c0 + BS : uhi;
+        const int64_t n0 = c1, n1 = n0 + BS < uhi ? n0 + BS : uhi; /* next block [n0, n1) */
+        int64_t gmax = 0;
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t a = lo ? lo[r] : 0, e = hi ? hi[r] : S;
+            int64_t ca = 0, ce = 0, na = 0, ne = 0;
+            if (blk >= 0) {
+                ca = a > c0 ? a : c0;
+                ce = e < c1 ? e : c1;
+                if (ca < ce)
+                    softmax_block(sbuf + (r * 2 + (blk & 1)) * BS, ce - ca, cap, mx + r, den + r, acc + r * Dv, Dv);
+                else
+                    ce = ca;
+            }
+            if (blk + 1 < nb) {
+                na = a > n0 ? a : n0;
+                ne = e < n1 ? e : n1;
+                if (ne < na) ne = na;
+            }
+            rng[4 * r] = ca, rng[4 * r + 1] = ce - ca, rng[4 * r + 2] = na, rng[4 * r + 3] = ne - na;
+            gmax = ce - ca > gmax ? ce - ca : gmax;
+            gmax = ne - na > gmax ? ne - na : gmax;
+        }
+        for (int64_t i = 0; i < gmax; i += 4)
+            for (int64_t r = 0; r < R; r++) {
+                const int64_t nv = rng[4 * r + 1], nk = rng[4 * r + 3];
+                if (i >= nk && i >= nv) continue;
+                float *sc = sbuf + (r * 2 + (blk & 1)) * BS, *sn = sbuf + (r * 2 + ((blk + 1) & 1)) * BS;
+                float *o = acc + r * Dv;
+                const float *qr = q + r * D;
+                const char *K = kb + rng[4 * r + 2] * kst, *V = vb + rng[4 * r] * vst;
+                const int dk = i + 4 <= nk, dv = i + 4 <= nv;
+                if (dk || dv)
+                    dot_axpy4_x(qr, K + i * kst, kst, D, sn + i, dk ? 4 : 0, o, V + i * vst, vst, Dv, sc + i,
+                                dv ? 4 : 0, bf);
+                if (!dk)
+                    for (int64_t j = i; j < nk; j++) dot1_x(qr, K + j * kst, D, sn + j, bf);
+                if (!dv)
+                    for (int64_t j = i; j < nv; j++) axpy1_x(o, V + j * vst, Dv, sc[j], bf);
+            }
+    }
+}
+
+static void run_task_fast_f32(const job_t *J, int64_t t, float *sbuf, int64_t *rng) { run_task_fast_x(J, t, sbuf, rng, 0); }
+static void run_task_fast_bf16(const job_t *J, int64_t t, float *sbuf, int64_t *rng) { run_task_fast_x(J, t, sbuf, rng, 1); }
+#endif
+
 typedef struct {
     const job_t *J;
     int tid;
@@ -373,8 +574,8 @@ static void *worker(void *arg) {
     worker_t *w = (worker_t *)arg;
     const job_t *J = w->J;
     const int64_t BS = J->block;
-    float *kbuf = NULL, *vbuf = NULL, *sbuf = (float *)malloc(sizeof(float) * BS);
-    int64_t *ivs = (int64_t *)malloc(sizeof(int64_t) * 2 * (J->R + 1));
+    float *kbuf = NULL, *vbuf = NULL, *sbuf = (float *)malloc(sizeof(float) * BS * 2 * (J->R + 1));
+    int64_t *ivs = (int64_t *)malloc(sizeof(int64_t) * 4 * (J->R + 1));
     if (J->dtype != DT_F32) {
         kbuf = (float *)malloc(sizeof(float) * BS * J->D);
         vbuf = (float *)malloc(sizeof(float) * BS * J->Dv);
@@ -385,7 +586,15 @@ static void *worker(void *arg) {
         /* contiguous ranges of tasks per thread: neighbouring S splits stay on one core */
         int64_t per = (J->ntasks + J->nthreads - 1) / J->nthreads;
         int64_t t0 = w->tid * per, t1 = t0 + per < J->ntasks ? t0 + per : J->ntasks;
-        for (int64_t t = t0; t < t1; t++) run_task(J, t, kbuf, vbuf, sbuf, ivs);
+#ifdef HAVE_AVX2
+        const int fast = J->D % 8 == 0 && J->Dv % 8 == 0 && J->dtype != DT_F16;
+        if (fast && J->dtype == DT_F32)
+            for (int64_t t = t0; t < t1; t++) run_task_fast_f32(J, t, sbuf, ivs);
+        else if (fast)
+            for (int64_t t = t0; t < t1; t++) run_task_fast_bf16(J, t, sbuf, ivs);
+        else
+#endif
+            for (int64_t t = t0; t < t1; t++) run_task(J, t, kbuf, vbuf, sbuf, ivs);
     }
     free(kbuf);
     free(vbuf);
