@@ -205,3 +205,15 @@ def test_dense_mask_not_taken():
         _attention(q, k, v, mask=mask, backend="decode_cpu")
     out, lse = _attention(q, k, v, mask=mask, backend="auto")  # auto routes around it
     assert_within_tolerance(out, lse, q, k, v, mask=mask)
+
+
+def test_portable_build_without_native_flags(monkeypatch):
+    """The generic C path (no -march=native: no AVX2 intrinsics) gives the same results."""
+    monkeypatch.setattr(DC, "_state", {})
+    monkeypatch.setattr(DC, "_FLAG_SETS", (["-O2"],))
+    assert DC.kernel_available(), DC.kernel_info()
+    for dtype, G, Tq, causal in [(torch.float32, 3, 2, True), (torch.bfloat16, 8, 1, False), (torch.float16, 1, 4, True)]:
+        q, k, v = make(2, 2, G, Tq, 200, 80, dtype, seed=G + Tq)
+        kv_lens = torch.tensor([200, 31])
+        out, lse = attention_with_lse(q, k, v, kv_lens=kv_lens, causal=causal, backend="decode_cpu")
+        assert_within_tolerance(out, lse, q, k, v, kv_lens=kv_lens, causal=causal)

@@ -1,8 +1,15 @@
 /* Streaming decode attention for CPU: one pass over each KV head's K/V serves all
- * R = G*Tq query rows of that head (GQA).  Online softmax over key blocks sized to stay
- * in L1/L2, float32 accumulation, bf16/fp16 -> fp32 conversion fused into the block
- * load.  Each row r only touches keys in [lo[r], hi[r]); keys outside every row's range
- * are never read.  Threads (pthreads) split B*H and S; partial states are merged here.
+ * R = G*Tq query rows of that head (GQA).  Online softmax over blocks of keys, float32
+ * accumulation.  Each row r only touches keys in [lo[r], hi[r]); keys outside every row's
+ * range are never read.  Threads (pthreads) split B*H and S; partial states are merged here.
+ *
+ * Fast path (AVX2+FMA, float32/bfloat16, D and Dv multiples of 8), software-pipelined: the
+ * loop that accumulates block b's values also computes block b+1's scores, one key at a
+ * time with each K and V row read sequentially, so two sequential streams (K and V) are in
+ * flight together; measured here, interleaving 4 rows at once or one phase at a time
+ * reached only about half the read bandwidth.  bf16 is widened in registers (a 16-bit
+ * shift); runs of 4 rows with the same key range share each K/V load.  Generic path (fp16,
+ * other head dims, no AVX2): blocks converted to float32 in L1, then plain loops.
  * Built on first use by _decode_cpu.py (gcc -O3 -march=native -fopenmp-simd). */
 #include <math.h>
 #include <pthread.h>
@@ -16,9 +23,6 @@
 #define DT_F32 0
 #define DT_BF16 1
 #define DT_F16 2
-#ifndef FUSED_PF
-#define FUSED_PF 0 /* bytes ahead to prefetch in the fused loop (0: hardware prefetch only) */
-#endif
 #define PF_AHEAD 64 /* keys ahead to prefetch (converting loads) */
 #ifndef PF_BYTES
 #define PF_BYTES 16384 /* bytes ahead to prefetch in the fp32 loops */
@@ -385,72 +389,50 @@ static inline __attribute__((always_inline)) void axpy1_x(float *o, const char *
     for (int64_t d = 0; d < Dv; d += 8) _mm256_storeu_ps(o + d, _mm256_fmadd_ps(p0, LD8(v, d, bf), _mm256_loadu_ps(o + d)));
 }
 
-/* scores of 4 keys (rows k, k+ks, ...) into s[0..3] and, in the same pass, o += sum_i p[i] v_i
- * for 4 value rows: K of the next block and V of the current one stream side by side, which
- * keeps twice the cache misses in flight of either loop alone. nk, nv: 0 or 4. */
-static inline __attribute__((always_inline)) void dot_axpy4_x(const float *q, const char *k, int64_t ks, int64_t D,
-                                                              float *s, int nk, float *o, const char *v, int64_t vs,
-                                                              int64_t Dv, const float *p, int nv, int bf) {
-    const char *k1 = k + ks, *k2 = k1 + ks, *k3 = k2 + ks, *v1 = v + vs, *v2 = v1 + vs, *v3 = v2 + vs;
-    const int64_t el = bf ? 2 : 4;
-    (void)el;
-    if (nk && nv && D == Dv) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        const __m256 p0 = _mm256_set1_ps(p[0]), p1 = _mm256_set1_ps(p[1]), p2 = _mm256_set1_ps(p[2]),
-                     p3 = _mm256_set1_ps(p[3]);
-        for (int64_t d = 0; d < D; d += 8) {
-#if FUSED_PF > 0
-            if (!(d & (bf ? 31 : 15))) {
-                _mm_prefetch((const char *)k + d * el + FUSED_PF, _MM_HINT_T0);
-                _mm_prefetch((const char *)k1 + d * el + FUSED_PF, _MM_HINT_T0);
-                _mm_prefetch((const char *)k2 + d * el + FUSED_PF, _MM_HINT_T0);
-                _mm_prefetch((const char *)k3 + d * el + FUSED_PF, _MM_HINT_T0);
-                _mm_prefetch((const char *)v + d * el + FUSED_PF, _MM_HINT_T0);
-                _mm_prefetch((const char *)v1 + d * el + FUSED_PF, _MM_HINT_T0);
-                _mm_prefetch((const char *)v2 + d * el + FUSED_PF, _MM_HINT_T0);
-                _mm_prefetch((const char *)v3 + d * el + FUSED_PF, _MM_HINT_T0);
-            }
-#endif
-            __m256 x = _mm256_loadu_ps(q + d);
-            a0 = _mm256_fmadd_ps(x, LD8(k, d, bf), a0);
-            a1 = _mm256_fmadd_ps(x, LD8(k1, d, bf), a1);
-            a2 = _mm256_fmadd_ps(x, LD8(k2, d, bf), a2);
-            a3 = _mm256_fmadd_ps(x, LD8(k3, d, bf), a3);
-            __m256 y = _mm256_loadu_ps(o + d);
-            y = _mm256_fmadd_ps(p0, LD8(v, d, bf), y);
-            y = _mm256_fmadd_ps(p1, LD8(v1, d, bf), y);
-            y = _mm256_fmadd_ps(p2, LD8(v2, d, bf), y);
-            y = _mm256_fmadd_ps(p3, LD8(v3, d, bf), y);
-            _mm256_storeu_ps(o + d, y);
+/* one key's score (k row, sequential) and one value row accumulated (v row, sequential) in the
+ * same pass: two sequential streams side by side (K of the next block, V of this one) */
+static inline __attribute__((always_inline)) void dot_axpy1_x(const float *q, const char *k, int64_t D, float *s,
+                                                              float *o, const char *v, int64_t Dv, float p, int bf) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+    const __m256 p0 = _mm256_set1_ps(p);
+    if (D == Dv && D % 16 == 0) {
+        for (int64_t d = 0; d < D; d += 16) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), LD8(k, d, bf), a0);
+            _mm256_storeu_ps(o + d, _mm256_fmadd_ps(p0, LD8(v, d, bf), _mm256_loadu_ps(o + d)));
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), LD8(k, d + 8, bf), a1);
+            _mm256_storeu_ps(o + d + 8, _mm256_fmadd_ps(p0, LD8(v, d + 8, bf), _mm256_loadu_ps(o + d + 8)));
         }
-        __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-        _mm_storeu_ps(s, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+        *s = hsum8(_mm256_add_ps(a0, a1));
         return;
     }
-    if (nk) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t d = 0; d < D; d += 8) {
-            __m256 x = _mm256_loadu_ps(q + d);
-            a0 = _mm256_fmadd_ps(x, LD8(k, d, bf), a0);
-            a1 = _mm256_fmadd_ps(x, LD8(k1, d, bf), a1);
-            a2 = _mm256_fmadd_ps(x, LD8(k2, d, bf), a2);
-            a3 = _mm256_fmadd_ps(x, LD8(k3, d, bf), a3);
+    dot1_x(q, k, D, s, bf);
+    axpy1_x(o, v, Dv, p, bf);
+}
+
+/* dot_axpy1_x for 4 query rows that see the same key: each K/V element is loaded (and
+ * widened) once for the 4 rows. q rows qs apart, o rows os apart, scores s[r * ss]. */
+static inline __attribute__((always_inline)) void dot_axpy1_r4_x(const float *q, int64_t qs, const char *k, int64_t D,
+                                                                 float *s, int64_t ss, float *o, int64_t os,
+                                                                 const char *v, const float *p, int64_t ps, int dov,
+                                                                 int bf) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const __m256 p0 = _mm256_set1_ps(p[0]), p1 = _mm256_set1_ps(p[ps]), p2 = _mm256_set1_ps(p[2 * ps]),
+                 p3 = _mm256_set1_ps(p[3 * ps]);
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m256 x = LD8(k, d, bf);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), x, a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + qs + d), x, a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 2 * qs + d), x, a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 3 * qs + d), x, a3);
+        if (dov) {
+            const __m256 y = LD8(v, d, bf);
+            _mm256_storeu_ps(o + d, _mm256_fmadd_ps(p0, y, _mm256_loadu_ps(o + d)));
+            _mm256_storeu_ps(o + os + d, _mm256_fmadd_ps(p1, y, _mm256_loadu_ps(o + os + d)));
+            _mm256_storeu_ps(o + 2 * os + d, _mm256_fmadd_ps(p2, y, _mm256_loadu_ps(o + 2 * os + d)));
+            _mm256_storeu_ps(o + 3 * os + d, _mm256_fmadd_ps(p3, y, _mm256_loadu_ps(o + 3 * os + d)));
         }
-        __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-        _mm_storeu_ps(s, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
     }
-    if (nv) {
-        const __m256 p0 = _mm256_set1_ps(p[0]), p1 = _mm256_set1_ps(p[1]), p2 = _mm256_set1_ps(p[2]),
-                     p3 = _mm256_set1_ps(p[3]);
-        for (int64_t d = 0; d < Dv; d += 8) {
-            __m256 y = _mm256_loadu_ps(o + d);
-            y = _mm256_fmadd_ps(p0, LD8(v, d, bf), y);
-            y = _mm256_fmadd_ps(p1, LD8(v1, d, bf), y);
-            y = _mm256_fmadd_ps(p2, LD8(v2, d, bf), y);
-            y = _mm256_fmadd_ps(p3, LD8(v3, d, bf), y);
-            _mm256_storeu_ps(o + d, y);
-        }
-    }
+    s[0] = hsum8(a0), s[ss] = hsum8(a1), s[2 * ss] = hsum8(a2), s[3 * ss] = hsum8(a3);
 }
 
 /* softmax of row r's block scores s[0..n) into weights, updating its running max/denominator
@@ -540,22 +522,51 @@ static inline __attribute__((always_inline)) void run_task_fast_x(const job_t *J
             gmax = ce - ca > gmax ? ce - ca : gmax;
             gmax = ne - na > gmax ? ne - na : gmax;
         }
-        for (int64_t i = 0; i < gmax; i += 4)
+        /* runs of 4 rows with identical ranges in this block share every K/V load */
+        int64_t r4 = 0;
+        if (D == Dv && R >= 4) {
+            int uni = 1;
+            for (int64_t r = 1; r < R && uni; r++)
+                uni = rng[4 * r] == rng[0] && rng[4 * r + 1] == rng[1] && rng[4 * r + 2] == rng[2] &&
+                      rng[4 * r + 3] == rng[3];
+            if (uni) r4 = R / 4 * 4;
+        }
+        if (r4) {
+            const int64_t nv = rng[1], nk = rng[3];
+            const char *K = kb + rng[2] * kst, *V = vb + rng[0] * vst;
+            float *sc = sbuf + (blk & 1) * BS, *sn = sbuf + ((blk + 1) & 1) * BS;
+            const int64_t ss = 2 * BS;
+            for (int64_t i = 0; i < nk || i < nv; i++) {
+                for (int64_t r = 0; r < r4; r += 4) {
+                    if (i < nk)
+                        dot_axpy1_r4_x(q + r * D, D, K + i * kst, D, sn + r * ss + i, ss, acc + r * Dv, Dv,
+                                       V + i * vst, sc + r * ss + i, ss, i < nv, bf);
+                    else
+                        for (int64_t rr = r; rr < r + 4; rr++) axpy1_x(acc + rr * Dv, V + i * vst, Dv, sc[rr * ss + i], bf);
+                }
+                for (int64_t r = r4; r < R; r++) {
+                    if (i < nk && i < nv)
+                        dot_axpy1_x(q + r * D, K + i * kst, D, sn + r * ss + i, acc + r * Dv, V + i * vst, Dv,
+                                    sc[r * ss + i], bf);
+                    else if (i < nk)
+                        dot1_x(q + r * D, K + i * kst, D, sn + r * ss + i, bf);
+                    else
+                        axpy1_x(acc + r * Dv, V + i * vst, Dv, sc[r * ss + i], bf);
+                }
+            }
+            continue;
+        }
+        for (int64_t i = 0; i < gmax; i++)
             for (int64_t r = 0; r < R; r++) {
                 const int64_t nv = rng[4 * r + 1], nk = rng[4 * r + 3];
-                if (i >= nk && i >= nv) continue;
                 float *sc = sbuf + (r * 2 + (blk & 1)) * BS, *sn = sbuf + (r * 2 + ((blk + 1) & 1)) * BS;
-                float *o = acc + r * Dv;
-                const float *qr = q + r * D;
-                const char *K = kb + rng[4 * r + 2] * kst, *V = vb + rng[4 * r] * vst;
-                const int dk = i + 4 <= nk, dv = i + 4 <= nv;
-                if (dk || dv)
-                    dot_axpy4_x(qr, K + i * kst, kst, D, sn + i, dk ? 4 : 0, o, V + i * vst, vst, Dv, sc + i,
-                                dv ? 4 : 0, bf);
-                if (!dk)
-                    for (int64_t j = i; j < nk; j++) dot1_x(qr, K + j * kst, D, sn + j, bf);
-                if (!dv)
-                    for (int64_t j = i; j < nv; j++) axpy1_x(o, V + j * vst, Dv, sc[j], bf);
+                const char *K = kb + (rng[4 * r + 2] + i) * kst, *V = vb + (rng[4 * r] + i) * vst;
+                if (i < nk && i < nv)
+                    dot_axpy1_x(q + r * D, K, D, sn + i, acc + r * Dv, V, Dv, sc[i], bf);
+                else if (i < nk)
+                    dot1_x(q + r * D, K, D, sn + i, bf);
+                else if (i < nv)
+                    axpy1_x(acc + r * Dv, V, Dv, sc[i], bf);
             }
     }
 }
