@@ -2,7 +2,8 @@
 
 Floor = (K + V bytes in their own dtype) / (this machine's single-thread read bandwidth),
 the bandwidth measured with a read-only reduction (``torch.sum`` over a 512 MiB float32
-buffer, median of repeats). Per dtype x heads x S: ms, GB/s and % of the floor for every
+buffer, median of repeats), re-measured right before every row so that a shared machine's
+drifting load affects the floor and the timings alike. Per dtype x heads x S: ms, GB/s and % of the floor for every
 backend (1 thread) and for decode_cpu with ``--threads`` threads, median of ``--reps``.
 """
 
@@ -29,9 +30,9 @@ def _time(f, reps: int) -> float:
     return statistics.median(ts)
 
 
-def read_bandwidth(reps: int = 7, mib: int = 512) -> float:
-    """Bytes per second one thread reads in ``torch.sum`` over ``mib`` MiB of float32."""
-    x = torch.ones(mib * (1 << 20) // 4)
+def read_bandwidth(reps: int = 7, mib: int = 512, buf: torch.Tensor | None = None) -> float:
+    """Bytes per second one thread reads in ``torch.sum`` over ``mib`` MiB of float32 (or ``buf``)."""
+    x = torch.ones(mib * (1 << 20) // 4) if buf is None else buf
     return x.numel() * 4 / _time(lambda: x.sum(), reps)
 
 
@@ -41,13 +42,14 @@ def run(a) -> int:
 
     torch.set_num_threads(1)
     load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else ["?"] * 3
-    bw = read_bandwidth()
+    buf = torch.ones(512 * (1 << 20) // 4)
+    bw = read_bandwidth(buf=buf)
     print(f"read bandwidth (1 thread, torch.sum) {bw / 1e9:.1f} GB/s; loadavg {' '.join(load)}; torch {torch.__version__}")
     print(f"decode_cpu kernel: {kernel_info()}\n")
     seqs = [4 * K, 16 * K, 64 * K] if a.quick else a.seq
     rows = []
     cols = [*a.backends, f"decode_cpu_{a.threads}t"]
-    head = "| dtype | Hq/Hkv | S | floor ms | " + " | ".join(f"{b} ms (%floor)" for b in cols) + " | auto |"
+    head = "| dtype | Hq/Hkv | S | read GB/s | floor ms | " + " | ".join(f"{b} ms (%floor)" for b in cols) + " | auto |"
     print(head + "\n" + "|---" * (head.count("|") - 1) + "|")
     for dt in a.dtypes:
         dtype = getattr(torch, dt)
@@ -59,6 +61,7 @@ def run(a) -> int:
                 k = torch.randn(1, hkv, S, a.dim, generator=g).to(dtype)
                 v = torch.randn(1, hkv, S, a.dim, generator=g).to(dtype)
                 nbytes = 2 * k.numel() * k.element_size()
+                bw = read_bandwidth(reps=3, buf=buf)
                 floor = nbytes / bw
                 cells = []
                 for b in cols:
@@ -70,7 +73,7 @@ def run(a) -> int:
                                      gbps=nbytes / t / 1e9, pct_floor=100 * floor / t, floor_ms=floor * 1e3,
                                      read_gbps=bw / 1e9))  # fmt: skip
                     cells.append(f"{t * 1e3:.1f} ({floor / t:.0%})")
-                print(f"| {dt} | {hh} | {S} | {floor * 1e3:.1f} | " + " | ".join(cells) + f" | {_pick_backend(q, k, v)} |",
+                print(f"| {dt} | {hh} | {S} | {bw / 1e9:.1f} | {floor * 1e3:.1f} | " + " | ".join(cells) + f" | {_pick_backend(q, k, v)} |",
                       flush=True)  # fmt: skip
                 del q, k, v
     load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else ["?"] * 3
