@@ -192,7 +192,7 @@ def test_auto_picks_decode_cpu_for_decode_shapes():
 
     q, k, v = make(1, 8, 4, 1, 10, 64, torch.float32)
     assert _pick_backend(q, k, v) == "decode_cpu"
-    q, k, v = make(1, 1, 8, 128, 10, 64, torch.float32)  # prefill-sized: GEMM kernel
+    q, k, v = make(1, 1, 8, 128, 10, 64, torch.float32)  # prefill-sized (1024 rows): GEMM kernel
     assert _pick_backend(q, k, v) == "flash_cpu"
 
 

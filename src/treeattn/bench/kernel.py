@@ -2,8 +2,9 @@
 
 Floor = (K + V bytes in their own dtype) / (this machine's single-thread read bandwidth),
 the bandwidth measured with a read-only reduction (``torch.sum`` over a 512 MiB float32
-buffer, median of repeats), re-measured right before every row so that a shared machine's
-drifting load affects the floor and the timings alike. Per dtype x heads x S: ms, GB/s and % of the floor for every
+buffer). On a shared machine the load drifts, so every timed call is paired with a bandwidth
+measurement taken just before it: % of floor is the median over reps of (floor from that
+rep's bandwidth) / (that rep's time); ms is the median time. Per dtype x heads x S: ms, GB/s and % of the floor for every
 backend (1 thread) and for decode_cpu with ``--threads`` threads, median of ``--reps``.
 """
 
@@ -36,6 +37,24 @@ def read_bandwidth(reps: int = 7, mib: int = 512, buf: torch.Tensor | None = Non
     return x.numel() * 4 / _time(lambda: x.sum(), reps)
 
 
+def _paired(f, buf: torch.Tensor, nbytes: int, reps: int) -> tuple[float, float, float]:
+    """(median seconds of f, median fraction of the floor, median read bytes/s), each rep of
+    f right after a ``torch.sum`` over ``buf``."""
+    f()
+    ts, fr, bws = [], [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        buf.sum()
+        t1 = time.perf_counter()
+        f()
+        t2 = time.perf_counter()
+        bw = buf.numel() * buf.element_size() / (t1 - t0)
+        ts.append(t2 - t1)
+        bws.append(bw)
+        fr.append(nbytes / bw / (t2 - t1))
+    return statistics.median(ts), statistics.median(fr), statistics.median(bws)
+
+
 def run(a) -> int:
     from ..ops._decode_cpu import kernel_info
     from ..ops.attention import _attention, _pick_backend
@@ -61,18 +80,19 @@ def run(a) -> int:
                 k = torch.randn(1, hkv, S, a.dim, generator=g).to(dtype)
                 v = torch.randn(1, hkv, S, a.dim, generator=g).to(dtype)
                 nbytes = 2 * k.numel() * k.element_size()
-                bw = read_bandwidth(reps=3, buf=buf)
-                floor = nbytes / bw
-                cells = []
+                cells, bws = [], []
                 for b in cols:
                     name, nt = (b, 1) if not b.startswith("decode_cpu_") else ("decode_cpu", a.threads)
                     torch.set_num_threads(nt)
-                    t = _time(lambda name=name: _attention(q, k, v, backend=name), a.reps)
+                    t, frac, bw = _paired(lambda name=name: _attention(q, k, v, backend=name), buf, nbytes, a.reps)
                     torch.set_num_threads(1)
+                    bws.append(bw)
                     rows.append(dict(dtype=dt, heads=hh, seq=S, backend=b, threads=nt, ms=t * 1e3,
-                                     gbps=nbytes / t / 1e9, pct_floor=100 * floor / t, floor_ms=floor * 1e3,
+                                     gbps=nbytes / t / 1e9, pct_floor=100 * frac, floor_ms=nbytes / bw * 1e3,
                                      read_gbps=bw / 1e9))  # fmt: skip
-                    cells.append(f"{t * 1e3:.1f} ({floor / t:.0%})")
+                    cells.append(f"{t * 1e3:.1f} ({frac:.0%})")
+                bw = statistics.median(bws)
+                floor = nbytes / bw
                 print(f"| {dt} | {hh} | {S} | {bw / 1e9:.1f} | {floor * 1e3:.1f} | " + " | ".join(cells) + f" | {_pick_backend(q, k, v)} |",
                       flush=True)  # fmt: skip
                 del q, k, v

@@ -188,20 +188,19 @@ def _attention(
 
 
 # Largest rows per KV head (G * Tq) for which auto picks decode_cpu, per dtype (measured,
-# see _pick_backend): past these flash_cpu's GEMM blocking wins in float32/bfloat16.
-_DECODE_MAX_ROWS = {torch.float32: 4, torch.bfloat16: 4, torch.float16: 256}
+# see _pick_backend): past these flash_cpu's GEMM blocking wins.
+_DECODE_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 8, torch.float16: 128}
 
 
 def _pick_backend(q: Tensor, k: Tensor, v: Tensor) -> str:
-    # CPU, 1 thread, B=1, D=128, on a shared 2-core EPYC VM under load (loadavg 5-7), medians:
-    # `treeattn bench kernel` (Tq=1; docs/benchmarks.md "Decode kernel"), decode_cpu vs
-    # flash_cpu ms: fp32 16/16 S=16k/64k/256k 63/176/927 vs 80/280/1317; fp32 32/8
-    # 33/116/620 vs 40/131/670; bf16 16/16 34/139/417 vs 124/532/1973; bf16 32/8 12/51/194
-    # vs 14/52/222. Rows per KV head sweep (S=16k, 8 KV heads), flash_cpu/decode_cpu time:
-    #   rows   4     8     16    32    64    128   256
-    #   fp32   1.28  0.82  0.90  0.71  0.82  0.84  0.71
-    #   bf16   1.08  0.94  0.79  0.68  0.82  0.60  0.61
-    #   fp16   3.80  -     -     1.11  1.83  1.69  1.21   (flash_cpu is slow in fp16)
+    # CPU, 1 thread, B=1, D=128, Tq=1 on a shared 2-core EPYC VM (loadavg 4-8), `treeattn bench
+    # kernel` (docs/benchmarks.md, "Decode kernel"): decode_cpu beats flash_cpu and torch in
+    # every measured row (fp32 16/16 and 32/8, bf16 16/16 and 32/8, S = 16k..256k).
+    # Rows per KV head sweep (S=16k, 8 KV heads, no mask), flash_cpu time / decode_cpu time:
+    #   rows   1      4     8     16    32    64    128
+    #   fp32   4.01   2.53  1.74  1.57  1.07  0.83  0.90
+    #   bf16   13.78  3.02  1.79  0.67  0.78  0.82  0.91
+    #   fp16   5.40   5.50  2.46  2.50  1.90  1.87  1.96   (flash_cpu is slow in fp16)
     # flash_cpu: at least as fast as the grouped matmul path in float32/float64 and much
     # faster in half precision, where the matmul path upcasts K/V chunks to float32.
     # CUDA: the fused kernels (flash-attn / aten flash / mem-efficient) when available.
