@@ -212,7 +212,11 @@ def test_portable_build_without_native_flags(monkeypatch):
     monkeypatch.setattr(DC, "_state", {})
     monkeypatch.setattr(DC, "_FLAG_SETS", (["-O2"],))
     assert DC.kernel_available(), DC.kernel_info()
-    for dtype, G, Tq, causal in [(torch.float32, 3, 2, True), (torch.bfloat16, 8, 1, False), (torch.float16, 1, 4, True)]:
+    for dtype, G, Tq, causal in [
+        (torch.float32, 3, 2, True),
+        (torch.bfloat16, 8, 1, False),
+        (torch.float16, 1, 4, True),
+    ]:
         q, k, v = make(2, 2, G, Tq, 200, 80, dtype, seed=G + Tq)
         kv_lens = torch.tensor([200, 31])
         out, lse = attention_with_lse(q, k, v, kv_lens=kv_lens, causal=causal, backend="decode_cpu")

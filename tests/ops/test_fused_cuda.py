@@ -54,7 +54,9 @@ def test_cuda_vs_float64(dtype, heads, Tq, causal):
     kv_lens = torch.tensor([200, 0, 33])
     k[2, :, 33:] = float("nan")
     v[2, :, 33:] = float("nan")
-    out, lse = attention_with_lse(q.cuda(), k.cuda(), v.cuda(), kv_lens=kv_lens.cuda(), causal=causal, backend="fused_cuda")
+    out, lse = attention_with_lse(
+        q.cuda(), k.cuda(), v.cuda(), kv_lens=kv_lens.cuda(), causal=causal, backend="fused_cuda"
+    )
     k[2, :, 33:] = 0
     v[2, :, 33:] = 0
     assert_within_tolerance(out.cpu(), lse.cpu(), q, k, v, kv_lens=kv_lens, causal=causal)

@@ -63,7 +63,9 @@ def run(a) -> int:
     load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else ["?"] * 3
     buf = torch.ones(512 * (1 << 20) // 4)
     bw = read_bandwidth(buf=buf)
-    print(f"read bandwidth (1 thread, torch.sum) {bw / 1e9:.1f} GB/s; loadavg {' '.join(load)}; torch {torch.__version__}")
+    print(
+        f"read bandwidth (1 thread, torch.sum) {bw / 1e9:.1f} GB/s; loadavg {' '.join(load)}; torch {torch.__version__}"
+    )
     print(f"decode_cpu kernel: {kernel_info()}\n")
     seqs = [4 * K, 16 * K, 64 * K] if a.quick else a.seq
     rows = []
@@ -84,7 +86,9 @@ def run(a) -> int:
                 for b in cols:
                     name, nt = (b, 1) if not b.startswith("decode_cpu_") else ("decode_cpu", a.threads)
                     torch.set_num_threads(nt)
-                    t, frac, bw = _paired(lambda name=name: _attention(q, k, v, backend=name), buf, nbytes, a.reps)
+                    t, frac, bw = _paired(
+                        lambda name=name, q=q, k=k, v=v: _attention(q, k, v, backend=name), buf, nbytes, a.reps
+                    )
                     torch.set_num_threads(1)
                     bws.append(bw)
                     rows.append(dict(dtype=dt, heads=hh, seq=S, backend=b, threads=nt, ms=t * 1e3,
@@ -120,10 +124,10 @@ def _plot(rows: list[dict], path: str) -> None:
         return
     keys = sorted({(r["dtype"], r["heads"]) for r in rows})
     fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.5), squeeze=False)
-    for ax, (dt, hh) in zip(axes[0], keys):
+    for ax, (dt, hh) in zip(axes[0], keys, strict=True):
         for b in sorted({r["backend"] for r in rows}):
             pts = [(r["seq"], r["pct_floor"]) for r in rows if (r["dtype"], r["heads"], r["backend"]) == (dt, hh, b)]
-            ax.plot(*zip(*pts), marker="o", label=b)
+            ax.plot(*zip(*pts, strict=True), marker="o", label=b)
         ax.set_xscale("log", base=2)
         ax.set_title(f"{dt} {hh}")
         ax.set_xlabel("S")
