@@ -435,6 +435,41 @@ static inline __attribute__((always_inline)) void dot_axpy1_r4_x(const float *q,
     s[0] = hsum8(a0), s[ss] = hsum8(a1), s[2 * ss] = hsum8(a2), s[3 * ss] = hsum8(a3);
 }
 
+/* dot_axpy1_r4_x for two consecutive keys: halves the accumulator loads/stores per key,
+ * which bound the 4-row case */
+static inline __attribute__((always_inline)) void dot_axpy2_r4_x(const float *q, int64_t qs, const char *k, int64_t ks,
+                                                                 int64_t D, float *s, int64_t ss, float *o, int64_t os,
+                                                                 const char *v, int64_t vs, const float *p, int64_t ps,
+                                                                 int bf) {
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+    const __m256 p00 = _mm256_set1_ps(p[0]), p01 = _mm256_set1_ps(p[1]), p10 = _mm256_set1_ps(p[ps]),
+                 p11 = _mm256_set1_ps(p[ps + 1]), p20 = _mm256_set1_ps(p[2 * ps]), p21 = _mm256_set1_ps(p[2 * ps + 1]),
+                 p30 = _mm256_set1_ps(p[3 * ps]), p31 = _mm256_set1_ps(p[3 * ps + 1]);
+    const char *k1 = k + ks, *v1 = v + vs;
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m256 x0 = LD8(k, d, bf), x1 = LD8(k1, d, bf);
+        __m256 w = _mm256_loadu_ps(q + d);
+        a00 = _mm256_fmadd_ps(w, x0, a00), a01 = _mm256_fmadd_ps(w, x1, a01);
+        w = _mm256_loadu_ps(q + qs + d);
+        a10 = _mm256_fmadd_ps(w, x0, a10), a11 = _mm256_fmadd_ps(w, x1, a11);
+        w = _mm256_loadu_ps(q + 2 * qs + d);
+        a20 = _mm256_fmadd_ps(w, x0, a20), a21 = _mm256_fmadd_ps(w, x1, a21);
+        w = _mm256_loadu_ps(q + 3 * qs + d);
+        a30 = _mm256_fmadd_ps(w, x0, a30), a31 = _mm256_fmadd_ps(w, x1, a31);
+        const __m256 y0 = LD8(v, d, bf), y1 = LD8(v1, d, bf);
+        float *od = o + d;
+        _mm256_storeu_ps(od, _mm256_fmadd_ps(p01, y1, _mm256_fmadd_ps(p00, y0, _mm256_loadu_ps(od))));
+        od += os;
+        _mm256_storeu_ps(od, _mm256_fmadd_ps(p11, y1, _mm256_fmadd_ps(p10, y0, _mm256_loadu_ps(od))));
+        od += os;
+        _mm256_storeu_ps(od, _mm256_fmadd_ps(p21, y1, _mm256_fmadd_ps(p20, y0, _mm256_loadu_ps(od))));
+        od += os;
+        _mm256_storeu_ps(od, _mm256_fmadd_ps(p31, y1, _mm256_fmadd_ps(p30, y0, _mm256_loadu_ps(od))));
+    }
+    s[0] = hsum8(a00), s[1] = hsum8(a01), s[ss] = hsum8(a10), s[ss + 1] = hsum8(a11);
+    s[2 * ss] = hsum8(a20), s[2 * ss + 1] = hsum8(a21), s[3 * ss] = hsum8(a30), s[3 * ss + 1] = hsum8(a31);
+}
+
 /* softmax of row r's block scores s[0..n) into weights, updating its running max/denominator
  * and rescaling its accumulator */
 static inline void softmax_block(float *s, int64_t n, float cap, float *mx, double *den, float *o, int64_t Dv) {
@@ -536,7 +571,13 @@ static inline __attribute__((always_inline)) void run_task_fast_x(const job_t *J
             const char *K = kb + rng[2] * kst, *V = vb + rng[0] * vst;
             float *sc = sbuf + (blk & 1) * BS, *sn = sbuf + ((blk + 1) & 1) * BS;
             const int64_t ss = 2 * BS;
-            for (int64_t i = 0; i < nk || i < nv; i++) {
+            int64_t i = 0;
+            if (r4 == R && bf) /* float32: two interleaved rows stream slower than one */
+                for (; i + 2 <= nk && i + 2 <= nv; i += 2)
+                    for (int64_t r = 0; r < r4; r += 4)
+                        dot_axpy2_r4_x(q + r * D, D, K + i * kst, kst, D, sn + r * ss + i, ss, acc + r * Dv, Dv,
+                                       V + i * vst, vst, sc + r * ss + i, ss, bf);
+            for (; i < nk || i < nv; i++) {
                 for (int64_t r = 0; r < r4; r += 4) {
                     if (i < nk)
                         dot_axpy1_r4_x(q + r * D, D, K + i * kst, D, sn + r * ss + i, ss, acc + r * Dv, Dv,
