@@ -189,7 +189,7 @@ def _attention(
 
 # Largest rows per KV head (G * Tq) for which auto picks decode_cpu, per dtype (measured,
 # see _pick_backend): past these flash_cpu's GEMM blocking wins.
-_DECODE_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 8, torch.float16: 128}
+_DECODE_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 16, torch.float16: 128}
 
 
 def _pick_backend(q: Tensor, k: Tensor, v: Tensor) -> str:
@@ -199,7 +199,7 @@ def _pick_backend(q: Tensor, k: Tensor, v: Tensor) -> str:
     # Rows per KV head sweep (S=16k, 8 KV heads, no mask), flash_cpu time / decode_cpu time:
     #   rows   1      4     8     16    32    64    128
     #   fp32   4.01   2.53  1.74  1.57  1.07  0.83  0.90
-    #   bf16   13.78  3.02  1.79  0.67  0.78  0.82  0.91
+    #   bf16   8.98   1.93  1.80  1.20  0.95  1.00  1.04   (after the 2-key bf16 4-row path)
     #   fp16   5.40   5.50  2.46  2.50  1.90  1.87  1.96   (flash_cpu is slow in fp16)
     # flash_cpu: at least as fast as the grouped matmul path in float32/float64 and much
     # faster in half precision, where the matmul path upcasts K/V chunks to float32.
