@@ -1,8 +1,20 @@
-"""Host memory facts (Linux /proc), shared by the CLIs and generation."""
+"""Host facts shared across layers: memory (Linux /proc) and treeattn's cache directory."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
+
+
+def cache_root() -> Path:
+    """treeattn's on-disk cache (compiled kernels, converted GGUF models):
+    ``$TREEATTN_CACHE_DIR``, else ``$XDG_CACHE_HOME/treeattn`` (default ``~/.cache/treeattn``)."""
+    env = os.environ.get("TREEATTN_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "treeattn"
 
 
 def _proc_kib(path: str, key: str) -> int | None:

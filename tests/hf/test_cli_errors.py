@@ -60,7 +60,7 @@ def test_truncated_gguf_file(capsys, monkeypatch, tmp_path):
     f = tmp_path / "broken.gguf"
     f.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\x00" * 9)  # the magic, then nothing usable
     cache = tmp_path / "cache"
-    monkeypatch.setenv("TREEATTN_CACHE", str(cache))
+    monkeypatch.setenv("TREEATTN_CACHE_DIR", str(cache))
     err = _run(capsys, "--model", str(f), "--prompt-ids", "1,2")
     assert "could not read this GGUF file" in err and "broken.gguf" in err
     assert not list((cache / "gguf").glob("broken-*")), "a failed conversion left a cache entry"

@@ -43,11 +43,11 @@ NEW = 24
 @pytest.fixture(scope="session")
 def smol(tmp_path_factory):
     """The GGUF converted once per session (into a private cache that the CLI tests share
-    through TREEATTN_CACHE), the two prompts and single-process references."""
+    through TREEATTN_CACHE_DIR), the two prompts and single-process references."""
     from treeattn.hf.haystack import haystack
     from treeattn.hf.models import load_model, resolve_model
 
-    os.environ["TREEATTN_CACHE"] = str(tmp_path_factory.mktemp("treeattn-cache"))
+    os.environ["TREEATTN_CACHE_DIR"] = str(tmp_path_factory.mktemp("treeattn-cache"))
     d = resolve_model(str(GGUF))
     model, tok = load_model(d)
     assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_key_value_heads == 3

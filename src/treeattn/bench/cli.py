@@ -122,6 +122,9 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--preset", default="small-llama")
     p.add_argument("--new-tokens", type=int, default=16)
+    from .kernel import add_parser as add_kernel
+
+    add_kernel(bs)
 
 
 def _dispatch(a: argparse.Namespace, name: str) -> int:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .._host import available_memory  # noqa: F401  (re-exported: the CLI reads it from here)
+from .._host import available_memory, cache_root  # noqa: F401  (re-exported: the CLI reads them here)
 
 _WEIGHTS = ("*.safetensors", "*.safetensors.index.json")
 _HUB_FILES = ["*.json", "*.jinja", "*.txt", "*.model", "tokenizer*", *_WEIGHTS]
@@ -20,15 +20,6 @@ _HUB_FILES = ["*.json", "*.jinja", "*.txt", "*.model", "tokenizer*", *_WEIGHTS]
 
 class ModelNotFound(ValueError):
     """``--model`` names nothing usable; the message says what was tried and what to do."""
-
-
-def cache_root() -> Path:
-    """Where converted GGUF models live: ``$TREEATTN_CACHE``, else ``$XDG_CACHE_HOME/treeattn``
-    (default ``~/.cache/treeattn``)."""
-    env = os.environ.get("TREEATTN_CACHE")
-    if env:
-        return Path(env).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "treeattn"
 
 
 def _looks_like_path(spec: str) -> bool:

@@ -12,8 +12,8 @@ from .state import empty_state, merge_states
 
 __all__ = ["attention_with_lse", "check_attention_inputs", "BACKENDS"]
 
-Backend = Literal["auto", "torch", "flash_cpu"]
-BACKENDS: tuple[str, ...] = ("auto", "torch", "flash_cpu")
+Backend = Literal["auto", "torch", "flash_cpu", "decode_cpu", "fused_cuda"]
+BACKENDS: tuple[str, ...] = ("auto", "torch", "flash_cpu", "decode_cpu", "fused_cuda")
 
 # Largest score block the chunked path materialises, in elements (float32: 32 MiB).
 _SCORE_BUDGET = 1 << 23
@@ -131,8 +131,12 @@ def attention_with_lse(
             has no softcap: a call with ``softcap`` always runs the torch path.
         backend: ``"torch"`` (pure torch, chunked over S so the float32 score block stays
             under 32 MiB, any device), ``"flash_cpu"`` (PyTorch's fused CPU flash kernel,
-            a private aten op; CPU, equal q/v head dims, S > 0), or ``"auto"`` (the faster
-            exact one for the call; measurements under "Backend speed" in the README).
+            a private aten op; CPU, equal q/v head dims, S > 0), ``"decode_cpu"`` (a
+            streaming C kernel built with the system compiler on first use, one pass over
+            each KV head for all its query heads, pure-PyTorch fallback without a compiler;
+            CPU, float32/bfloat16/float16), ``"fused_cuda"`` (flash-attn / PyTorch's fused
+            CUDA kernels that return the log-sum-exp; CUDA), or ``"auto"`` (the faster exact
+            one for the call; measurements next to ``_pick_backend`` and in the README).
 
     Returns:
         ``(out, lse)``: ``out [B, Hq, Tq, Dv]`` in q's dtype and ``lse [B, Hq, Tq]``
@@ -179,8 +183,12 @@ def _attention(
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     if backend == "auto":
         backend = _pick_backend(q, k, v)
+        if backend in ("decode_cpu", "fused_cuda") and mask is not None:
+            backend = "flash_cpu" if backend == "decode_cpu" and Dv == D else "torch"
     if softcap is not None and backend == "flash_cpu":
         backend = "torch"  # the fused kernel cannot softcap its scores
+    if backend == "fused_cuda" and (kv_start is not None or kv_end is not None):
+        backend = "torch"  # the fused CUDA kernels take no per-row lower/upper key bounds
     G = Hq // Hkv
     # every row's visible keys are [lo, hi) (AND the optional dense mask), computed here only
     lo, hi = _row_bounds(B, Tq, G, S, kv_lens, causal, kv_start, kv_end, q.device)
@@ -197,7 +205,25 @@ def _attention(
     vis = None
     if mask is not None:  # rows r = g * Tq + i take mask row i
         vis = mask.to(q.device).index_select(1, torch.arange(qg.shape[2], device=q.device) % Tq).unsqueeze(1)
-    if backend == "flash_cpu":
+    if backend in ("decode_cpu", "fused_cuda") and mask is not None:
+        raise ValueError(f"backend {backend!r} takes no dense mask; use 'torch' or 'flash_cpu'")
+    if backend == "decode_cpu":
+        if q.device.type != "cpu":
+            raise ValueError(f"backend 'decode_cpu' needs CPU tensors, got {q.device}")
+        from ._decode_cpu import decode_cpu
+
+        R = qg.shape[2]  # keys outside a row's [lo, hi) are never read: no zeroing needed
+        lo_r = None if lo is None else lo.reshape(B, R)
+        hi_r = None if hi is None else hi.reshape(B, R)
+        out, lse = decode_cpu(qg, k, v, scale, lo_r, hi_r, softcap)
+        if acc == torch.float64:
+            out, lse = out.double(), lse.double()
+    elif backend == "fused_cuda":
+        from ._fused_cuda import fused_cuda
+
+        hi_r = None if hi is None else hi.reshape(B, qg.shape[2])
+        out, lse = fused_cuda(qg, k, v, scale, kv_lens, hi_r, causal, softcap)
+    elif backend == "flash_cpu":
         if q.device.type != "cpu" or Dv != D:
             raise ValueError(f"backend 'flash_cpu' needs CPU tensors with Dv == D, got {q.device}, D={D}, Dv={Dv}")
         if seq is not None:  # a skipped key holding NaN/inf would still poison the fused kernel's sums
@@ -212,12 +238,35 @@ def _attention(
     return out.to(acc if keep_fp32 else q.dtype).reshape(B, Hq, Tq, Dv), lse.reshape(B, Hq, Tq).contiguous()
 
 
+# Largest rows per KV head (G * Tq) for which auto picks decode_cpu, per dtype (measured,
+# see _pick_backend): past these flash_cpu's GEMM blocking wins.
+_DECODE_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 16, torch.float16: 128}
+
+
 def _pick_backend(q: Tensor, k: Tensor, v: Tensor) -> str:
-    # Measured on a 1-thread CPU (see the benchmark in the README): the fused CPU kernel is
-    # at least as fast as the grouped matmul path in float32/float64 and much faster in
-    # half precision, where the matmul path upcasts K/V chunks to float32.
-    if q.device.type == "cpu" and v.shape[3] == q.shape[3]:
-        return "flash_cpu"
+    # CPU, 1 thread, B=1, D=128, Tq=1 on a shared 2-core EPYC VM (loadavg 4-8), `treeattn bench
+    # kernel` (docs/benchmarks.md, "Decode kernel"): decode_cpu beats flash_cpu and torch in
+    # every measured row (fp32 16/16 and 32/8, bf16 16/16 and 32/8, S = 16k..256k).
+    # Rows per KV head sweep (S=16k, 8 KV heads, no mask), flash_cpu time / decode_cpu time:
+    #   rows   1      4     8     16    32    64    128
+    #   fp32   4.01   2.53  1.74  1.57  1.07  0.83  0.90
+    #   bf16   8.98   1.93  1.80  1.20  0.95  1.00  1.04   (after the 2-key bf16 4-row path)
+    #   fp16   5.40   5.50  2.46  2.50  1.90  1.87  1.96   (flash_cpu is slow in fp16)
+    # flash_cpu: at least as fast as the grouped matmul path in float32/float64 and much
+    # faster in half precision, where the matmul path upcasts K/V chunks to float32.
+    # CUDA: the fused kernels (flash-attn / aten flash / mem-efficient) when available.
+    if q.device.type == "cpu":
+        rows = (q.shape[1] // k.shape[1]) * q.shape[2]
+        if rows <= _DECODE_MAX_ROWS.get(q.dtype, 0):
+            return "decode_cpu"
+        if v.shape[3] == q.shape[3]:
+            return "flash_cpu"
+        return "torch"
+    if q.device.type == "cuda":
+        from ._fused_cuda import fused_cuda_supported
+
+        if fused_cuda_supported(q, k, v):
+            return "fused_cuda"
     return "torch"
 
 

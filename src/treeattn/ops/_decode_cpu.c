@@ -1,0 +1,739 @@
+/* Streaming decode attention for CPU: one pass over each KV head's K/V serves all
+ * R = G*Tq query rows of that head (GQA).  Online softmax over blocks of keys, float32
+ * accumulation.  Each row r only touches keys in [lo[r], hi[r]); keys outside every row's
+ * range are never read.  Threads (pthreads) split B*H and S; partial states are merged here.
+ *
+ * Fast path (AVX2+FMA, float32/bfloat16, D and Dv multiples of 8), software-pipelined: the
+ * loop that accumulates block b's values also computes block b+1's scores, one key at a
+ * time with each K and V row read sequentially, so two sequential streams (K and V) are in
+ * flight together; measured here, interleaving 4 rows at once or one phase at a time
+ * reached only about half the read bandwidth.  bf16 is widened in registers (a 16-bit
+ * shift); runs of 4 rows with the same key range share each K/V load.  Generic path (fp16,
+ * other head dims, no AVX2): blocks converted to float32 in L1, then plain loops.
+ * Built on first use by _decode_cpu.py (gcc -O3 -march=native -fopenmp-simd). */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define DT_F32 0
+#define DT_BF16 1
+#define DT_F16 2
+#define PF_AHEAD 64 /* keys ahead to prefetch (converting loads) */
+#ifndef PF_BYTES
+#define PF_BYTES 16384 /* bytes ahead to prefetch in the fp32 loops */
+#endif
+
+typedef struct {
+    const float *q; /* [B, H, R, D] float32, already multiplied by the scale */
+    const void *k, *v;
+    int dtype;
+    int64_t B, H, R, S, D, Dv;
+    int64_t ksb, ksh, kss, vsb, vsh, vss; /* element strides of k/v over B, H, S */
+    const int64_t *lo, *hi;               /* [B, R] or NULL */
+    float softcap;                        /* <= 0: none */
+    int64_t nsplit, chunk, block;
+    float *po, *pm; /* partial out [T, R, Dv] (unnormalised), running max [T, R] */
+    double *pl;     /* partial denominators [T, R] */
+    int64_t ntasks;
+    int nthreads;
+} job_t;
+
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define HAVE_AVX2 1
+static inline float hsum8(__m256 x) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_add_ss(a, _mm_movehdup_ps(a));
+    return _mm_cvtss_f32(a);
+}
+/* s[0..3] = q . k_i for 4 keys k_i = k + i * ks, D % 8 == 0 */
+static inline void dot4_avx2(const float *q, const float *k, int64_t ks, int64_t D, float *s, int pf) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const float *k1 = k + ks, *k2 = k1 + ks, *k3 = k2 + ks;
+    for (int64_t d = 0; d < D; d += 8) {
+        if (pf && !(d & 15)) {
+            _mm_prefetch((const char *)(k + d) + PF_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(k1 + d) + PF_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(k2 + d) + PF_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(k3 + d) + PF_BYTES, _MM_HINT_T0);
+        }
+        __m256 x = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + d), a0);
+        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k1 + d), a1);
+        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k2 + d), a2);
+        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k3 + d), a3);
+    }
+    __m256 h01 = _mm256_hadd_ps(a0, a1), h23 = _mm256_hadd_ps(a2, a3);
+    __m256 h = _mm256_hadd_ps(h01, h23); /* lanes: [0 1 2 3 | 0 1 2 3] partial */
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    _mm_storeu_ps(s, r);
+}
+/* o += p0 v0 + p1 v1 + p2 v2 + p3 v3, v_i = v + i * vs, Dv % 8 == 0 */
+static inline void axpy4_avx2(float *o, const float *v, int64_t vs, int64_t Dv, const float *p, int pf) {
+    const __m256 p0 = _mm256_set1_ps(p[0]), p1 = _mm256_set1_ps(p[1]), p2 = _mm256_set1_ps(p[2]),
+                 p3 = _mm256_set1_ps(p[3]);
+    const float *v1 = v + vs, *v2 = v1 + vs, *v3 = v2 + vs;
+    for (int64_t d = 0; d < Dv; d += 8) {
+        if (pf && !(d & 15)) {
+            _mm_prefetch((const char *)(v + d) + PF_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(v1 + d) + PF_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(v2 + d) + PF_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(v3 + d) + PF_BYTES, _MM_HINT_T0);
+        }
+        __m256 x = _mm256_loadu_ps(o + d);
+        x = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v + d), x);
+        x = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1 + d), x);
+        x = _mm256_fmadd_ps(p2, _mm256_loadu_ps(v2 + d), x);
+        x = _mm256_fmadd_ps(p3, _mm256_loadu_ps(v3 + d), x);
+        _mm256_storeu_ps(o + d, x);
+    }
+}
+static inline __m256 exp8_neg(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+/* exp for x <= 0 (Cephes-style range reduction + degree-6 polynomial), branch-free so
+ * that loops calling it vectorise. */
+static inline float exp_neg(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float s;
+    memcpy(&s, &e, 4);
+    return p * s;
+}
+
+/* c * tanh(x / c), branch-free (Cephes tanhf: odd polynomial below 0.625, else 1 - 2/(e^2y + 1)). */
+static inline float softcap_f(float x, float c) {
+    float y = x / c;
+    float a = fabsf(y);
+    float z = y * y;
+    float small = ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) * z +
+                    1.33314422036e-1f) * z - 3.33332819422e-1f) * z * y + y;
+    float aa = a > 9.0f ? 9.0f : a;
+    float e = 1.0f / exp_neg(-2.0f * aa); /* e^(2|y|) */
+    float big = 1.0f - 2.0f / (e + 1.0f);
+    big = y < 0 ? -big : big;
+    return c * (a < 0.625f ? small : big);
+}
+
+static inline float h2f(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, ex = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (ex == 0) {
+        float f = ldexpf((float)man, -24);
+        return sign ? -f : f;
+    }
+    bits = ex == 31 ? (sign | 0x7f800000u | (man << 13)) : (sign | ((ex + 112) << 23) | (man << 13));
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* ask for `rows` rows of `bytes` bytes each, `stride` bytes apart, to be brought into cache:
+ * the hardware prefetcher alone leaves this loop far below the read bandwidth */
+static inline void prefetch_rows(const char *p, int64_t stride, int64_t rows, int64_t bytes) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + r * stride + o, 0, 0);
+}
+
+/* rows [j0, j1) of a [S, n] slice with row stride `ss` (elements), to float32 [j1-j0, n] */
+static void load_block(float *restrict dst, const void *base, int dtype, int64_t ss, int64_t j0, int64_t j1,
+                       int64_t n) {
+    for (int64_t j = j0; j < j1; j++) {
+        float *restrict d = dst + (j - j0) * n;
+        prefetch_rows((const char *)base + (j + PF_AHEAD) * ss * 2, 0, 1, n * 2);
+        if (dtype == DT_BF16) {
+            const uint16_t *restrict s = (const uint16_t *)base + j * ss;
+#ifdef HAVE_AVX2
+            if (n % 8 == 0) {
+                for (int64_t i = 0; i < n; i += 8)
+                    _mm256_storeu_ps(d + i, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + i))), 16)));
+                continue;
+            }
+#endif
+#pragma omp simd
+            for (int64_t i = 0; i < n; i++) {
+                uint32_t b = (uint32_t)s[i] << 16;
+                float f;
+                memcpy(&f, &b, 4);
+                d[i] = f;
+            }
+        } else {
+            const uint16_t *restrict s = (const uint16_t *)base + j * ss;
+            int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX__)
+            for (; i + 8 <= n; i += 8)
+                _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
+#endif
+            for (; i < n; i++) d[i] = h2f(s[i]);
+        }
+    }
+}
+
+static void run_task(const job_t *J, int64_t t, float *kbuf, float *vbuf, float *sbuf, int64_t *ivs) {
+    const int64_t R = J->R, D = J->D, Dv = J->Dv, S = J->S, BS = J->block;
+    const int64_t bh = t / J->nsplit, sp = t % J->nsplit, b = bh / J->H, h = bh % J->H;
+    const float *q = J->q + bh * R * D;
+    float *acc = J->po + t * R * Dv, *mx = J->pm + t * R;
+    double *den = J->pl + t * R;
+    const int64_t elk = J->dtype == DT_F32 ? 4 : 2;
+    const char *kb = (const char *)J->k + (b * J->ksb + h * J->ksh) * elk;
+    const char *vb = (const char *)J->v + (b * J->vsb + h * J->vsh) * elk;
+    const int64_t *lo = J->lo ? J->lo + b * R : NULL, *hi = J->hi ? J->hi + b * R : NULL;
+    int64_t s0 = sp * J->chunk, s1 = s0 + J->chunk < S ? s0 + J->chunk : S;
+    int64_t ulo = s1, uhi = s0; /* union of the rows' ranges within this task's split */
+    for (int64_t r = 0; r < R; r++) {
+        int64_t a = lo ? lo[r] : 0, e = hi ? hi[r] : S;
+        a = a < s0 ? s0 : a;
+        e = e > s1 ? s1 : e;
+        if (a < e) {
+            ulo = a < ulo ? a : ulo;
+            uhi = e > uhi ? e : uhi;
+        }
+        mx[r] = -INFINITY;
+        den[r] = 0.0;
+    }
+    memset(acc, 0, sizeof(float) * R * Dv);
+    /* merged, sorted intervals of the rows' ranges within the split (for the converting loads) */
+    int64_t niv = 0;
+    for (int64_t r = 0; r < R; r++) {
+        int64_t a = lo ? lo[r] : 0, e = hi ? hi[r] : S;
+        a = a < s0 ? s0 : a;
+        e = e > s1 ? s1 : e;
+        if (a >= e) continue;
+        int64_t i = niv++;
+        while (i > 0 && ivs[2 * (i - 1)] > a) {
+            ivs[2 * i] = ivs[2 * (i - 1)], ivs[2 * i + 1] = ivs[2 * i - 1];
+            i--;
+        }
+        ivs[2 * i] = a, ivs[2 * i + 1] = e;
+    }
+    int64_t nm = 0;
+    for (int64_t i = 0; i < niv; i++) {
+        if (nm && ivs[2 * i] <= ivs[2 * nm - 1]) {
+            if (ivs[2 * i + 1] > ivs[2 * nm - 1]) ivs[2 * nm - 1] = ivs[2 * i + 1];
+        } else {
+            ivs[2 * nm] = ivs[2 * i], ivs[2 * nm + 1] = ivs[2 * i + 1];
+            nm++;
+        }
+    }
+    niv = nm;
+    const float cap = J->softcap;
+    for (int64_t j0 = ulo; j0 < uhi; j0 += BS) {
+        const int64_t j1 = j0 + BS < uhi ? j0 + BS : uhi;
+        const float *K, *V;
+        int64_t kst, vst;
+        if (J->dtype == DT_F32) {
+            K = (const float *)kb + j0 * J->kss, kst = J->kss;
+            V = (const float *)vb + j0 * J->vss, vst = J->vss;
+        } else {
+            /* convert only the keys some row sees: a gap between rows' ranges stays unread */
+            for (int64_t i = 0; i < niv; i++) {
+                int64_t a = ivs[2 * i] > j0 ? ivs[2 * i] : j0, e = ivs[2 * i + 1] < j1 ? ivs[2 * i + 1] : j1;
+                if (a >= e) continue;
+                load_block(kbuf + (a - j0) * D, kb, J->dtype, J->kss, a, e, D);
+                load_block(vbuf + (a - j0) * Dv, vb, J->dtype, J->vss, a, e, Dv);
+            }
+            K = kbuf, kst = D;
+            V = vbuf, vst = Dv;
+        }
+        int first = J->dtype == DT_F32;
+        for (int64_t r = 0; r < R; r++) {
+            int64_t a = lo ? lo[r] : 0, e = hi ? hi[r] : S;
+            a = a < j0 ? j0 : a;
+            e = e > j1 ? j1 : e;
+            if (a >= e) continue;
+            const int pf = first;
+            first = 0;
+            const float *restrict qr = q + r * D;
+            float *restrict s = sbuf;
+            const int64_t n = e - a;
+            const float *Ka = K + (a - j0) * kst, *Va = V + (a - j0) * vst;
+            int64_t j = 0;
+#ifdef HAVE_AVX2
+            if (D % 8 == 0)
+                for (; j + 4 <= n; j += 4) {
+                    dot4_avx2(qr, Ka + j * kst, kst, D, s + j, pf);
+                }
+#endif
+            for (; j + 4 <= n; j += 4) {
+                const float *restrict k0 = Ka + j * kst, *restrict k1 = k0 + kst, *restrict k2 = k1 + kst,
+                                      *restrict k3 = k2 + kst;
+                float a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+                for (int64_t d = 0; d < D; d++) {
+                    a0 += qr[d] * k0[d];
+                    a1 += qr[d] * k1[d];
+                    a2 += qr[d] * k2[d];
+                    a3 += qr[d] * k3[d];
+                }
+                s[j] = a0, s[j + 1] = a1, s[j + 2] = a2, s[j + 3] = a3;
+            }
+            for (; j < n; j++) {
+                const float *restrict k0 = Ka + j * kst;
+                float a0 = 0;
+#pragma omp simd reduction(+ : a0)
+                for (int64_t d = 0; d < D; d++) a0 += qr[d] * k0[d];
+                s[j] = a0;
+            }
+            if (cap > 0) {
+#pragma omp simd
+                for (int64_t i = 0; i < n; i++) s[i] = softcap_f(s[i], cap);
+            }
+            float bm = -INFINITY;
+#pragma omp simd reduction(max : bm)
+            for (int64_t i = 0; i < n; i++) bm = s[i] > bm ? s[i] : bm;
+            float *restrict o = acc + r * Dv;
+            if (bm > mx[r]) {
+                if (mx[r] > -INFINITY) {
+                    float c = exp_neg(mx[r] - bm);
+                    den[r] *= c;
+#pragma omp simd
+                    for (int64_t d = 0; d < Dv; d++) o[d] *= c;
+                }
+                mx[r] = bm;
+            }
+            const float m = mx[r];
+            float sum = 0;
+            int64_t i0 = 0;
+#ifdef HAVE_AVX2
+            {
+                __m256 vs = _mm256_setzero_ps(), vm = _mm256_set1_ps(m);
+                for (; i0 + 8 <= n; i0 += 8) {
+                    __m256 x = exp8_neg(_mm256_sub_ps(_mm256_loadu_ps(s + i0), vm));
+                    _mm256_storeu_ps(s + i0, x);
+                    vs = _mm256_add_ps(vs, x);
+                }
+                sum = hsum8(vs);
+            }
+#endif
+#pragma omp simd reduction(+ : sum)
+            for (int64_t i = i0; i < n; i++) {
+                s[i] = exp_neg(s[i] - m);
+                sum += s[i];
+            }
+            den[r] += sum;
+            j = 0;
+#ifdef HAVE_AVX2
+            if (Dv % 8 == 0)
+                for (; j + 4 <= n; j += 4) {
+                    axpy4_avx2(o, Va + j * vst, vst, Dv, s + j, pf);
+                }
+#endif
+            for (; j + 4 <= n; j += 4) {
+                const float *restrict v0 = Va + j * vst, *restrict v1 = v0 + vst, *restrict v2 = v1 + vst,
+                                      *restrict v3 = v2 + vst;
+                const float p0 = s[j], p1 = s[j + 1], p2 = s[j + 2], p3 = s[j + 3];
+#pragma omp simd
+                for (int64_t d = 0; d < Dv; d++) o[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
+            }
+            for (; j < n; j++) {
+                const float *restrict v0 = Va + j * vst;
+                const float p0 = s[j];
+#pragma omp simd
+                for (int64_t d = 0; d < Dv; d++) o[d] += p0 * v0[d];
+            }
+        }
+    }
+}
+
+
+#ifdef HAVE_AVX2
+/* 8 floats from row p (float32, or bfloat16 widened by a 16-bit shift) at element i */
+#define LD8(p, i, bf)                                                                                     \
+    ((bf) ? _mm256_castsi256_ps(_mm256_slli_epi32(                                                      \
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)(p) + (i)))), 16)) \
+          : _mm256_loadu_ps((const float *)(p) + (i)))
+
+static inline __attribute__((always_inline)) void dot1_x(const float *q, const char *k, int64_t D, float *s, int bf) {
+    __m256 a0 = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), LD8(k, d, bf), a0);
+    *s = hsum8(a0);
+}
+
+static inline __attribute__((always_inline)) void axpy1_x(float *o, const char *v, int64_t Dv, float p, int bf) {
+    const __m256 p0 = _mm256_set1_ps(p);
+    for (int64_t d = 0; d < Dv; d += 8) _mm256_storeu_ps(o + d, _mm256_fmadd_ps(p0, LD8(v, d, bf), _mm256_loadu_ps(o + d)));
+}
+
+/* one key's score (k row, sequential) and one value row accumulated (v row, sequential) in the
+ * same pass: two sequential streams side by side (K of the next block, V of this one) */
+static inline __attribute__((always_inline)) void dot_axpy1_x(const float *q, const char *k, int64_t D, float *s,
+                                                              float *o, const char *v, int64_t Dv, float p, int bf) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+    const __m256 p0 = _mm256_set1_ps(p);
+    if (D == Dv && D % 16 == 0) {
+        for (int64_t d = 0; d < D; d += 16) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), LD8(k, d, bf), a0);
+            _mm256_storeu_ps(o + d, _mm256_fmadd_ps(p0, LD8(v, d, bf), _mm256_loadu_ps(o + d)));
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), LD8(k, d + 8, bf), a1);
+            _mm256_storeu_ps(o + d + 8, _mm256_fmadd_ps(p0, LD8(v, d + 8, bf), _mm256_loadu_ps(o + d + 8)));
+        }
+        *s = hsum8(_mm256_add_ps(a0, a1));
+        return;
+    }
+    dot1_x(q, k, D, s, bf);
+    axpy1_x(o, v, Dv, p, bf);
+}
+
+/* dot_axpy1_x for 4 query rows that see the same key: each K/V element is loaded (and
+ * widened) once for the 4 rows. q rows qs apart, o rows os apart, scores s[r * ss]. */
+static inline __attribute__((always_inline)) void dot_axpy1_r4_x(const float *q, int64_t qs, const char *k, int64_t D,
+                                                                 float *s, int64_t ss, float *o, int64_t os,
+                                                                 const char *v, const float *p, int64_t ps, int dov,
+                                                                 int bf) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const __m256 p0 = _mm256_set1_ps(p[0]), p1 = _mm256_set1_ps(p[ps]), p2 = _mm256_set1_ps(p[2 * ps]),
+                 p3 = _mm256_set1_ps(p[3 * ps]);
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m256 x = LD8(k, d, bf);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), x, a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + qs + d), x, a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 2 * qs + d), x, a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 3 * qs + d), x, a3);
+        if (dov) {
+            const __m256 y = LD8(v, d, bf);
+            _mm256_storeu_ps(o + d, _mm256_fmadd_ps(p0, y, _mm256_loadu_ps(o + d)));
+            _mm256_storeu_ps(o + os + d, _mm256_fmadd_ps(p1, y, _mm256_loadu_ps(o + os + d)));
+            _mm256_storeu_ps(o + 2 * os + d, _mm256_fmadd_ps(p2, y, _mm256_loadu_ps(o + 2 * os + d)));
+            _mm256_storeu_ps(o + 3 * os + d, _mm256_fmadd_ps(p3, y, _mm256_loadu_ps(o + 3 * os + d)));
+        }
+    }
+    s[0] = hsum8(a0), s[ss] = hsum8(a1), s[2 * ss] = hsum8(a2), s[3 * ss] = hsum8(a3);
+}
+
+/* dot_axpy1_r4_x for two consecutive keys: halves the accumulator loads/stores per key,
+ * which bound the 4-row case */
+static inline __attribute__((always_inline)) void dot_axpy2_r4_x(const float *q, int64_t qs, const char *k, int64_t ks,
+                                                                 int64_t D, float *s, int64_t ss, float *o, int64_t os,
+                                                                 const char *v, int64_t vs, const float *p, int64_t ps,
+                                                                 int bf) {
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+    const __m256 p00 = _mm256_set1_ps(p[0]), p01 = _mm256_set1_ps(p[1]), p10 = _mm256_set1_ps(p[ps]),
+                 p11 = _mm256_set1_ps(p[ps + 1]), p20 = _mm256_set1_ps(p[2 * ps]), p21 = _mm256_set1_ps(p[2 * ps + 1]),
+                 p30 = _mm256_set1_ps(p[3 * ps]), p31 = _mm256_set1_ps(p[3 * ps + 1]);
+    const char *k1 = k + ks, *v1 = v + vs;
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m256 x0 = LD8(k, d, bf), x1 = LD8(k1, d, bf);
+        __m256 w = _mm256_loadu_ps(q + d);
+        a00 = _mm256_fmadd_ps(w, x0, a00), a01 = _mm256_fmadd_ps(w, x1, a01);
+        w = _mm256_loadu_ps(q + qs + d);
+        a10 = _mm256_fmadd_ps(w, x0, a10), a11 = _mm256_fmadd_ps(w, x1, a11);
+        w = _mm256_loadu_ps(q + 2 * qs + d);
+        a20 = _mm256_fmadd_ps(w, x0, a20), a21 = _mm256_fmadd_ps(w, x1, a21);
+        w = _mm256_loadu_ps(q + 3 * qs + d);
+        a30 = _mm256_fmadd_ps(w, x0, a30), a31 = _mm256_fmadd_ps(w, x1, a31);
+        const __m256 y0 = LD8(v, d, bf), y1 = LD8(v1, d, bf);
+        float *od = o + d;
+        _mm256_storeu_ps(od, _mm256_fmadd_ps(p01, y1, _mm256_fmadd_ps(p00, y0, _mm256_loadu_ps(od))));
+        od += os;
+        _mm256_storeu_ps(od, _mm256_fmadd_ps(p11, y1, _mm256_fmadd_ps(p10, y0, _mm256_loadu_ps(od))));
+        od += os;
+        _mm256_storeu_ps(od, _mm256_fmadd_ps(p21, y1, _mm256_fmadd_ps(p20, y0, _mm256_loadu_ps(od))));
+        od += os;
+        _mm256_storeu_ps(od, _mm256_fmadd_ps(p31, y1, _mm256_fmadd_ps(p30, y0, _mm256_loadu_ps(od))));
+    }
+    s[0] = hsum8(a00), s[1] = hsum8(a01), s[ss] = hsum8(a10), s[ss + 1] = hsum8(a11);
+    s[2 * ss] = hsum8(a20), s[2 * ss + 1] = hsum8(a21), s[3 * ss] = hsum8(a30), s[3 * ss + 1] = hsum8(a31);
+}
+
+/* softmax of row r's block scores s[0..n) into weights, updating its running max/denominator
+ * and rescaling its accumulator */
+static inline void softmax_block(float *s, int64_t n, float cap, float *mx, double *den, float *o, int64_t Dv) {
+    if (cap > 0)
+        for (int64_t i = 0; i < n; i++) s[i] = softcap_f(s[i], cap);
+    float bm = -INFINITY;
+    for (int64_t i = 0; i < n; i++) bm = s[i] > bm ? s[i] : bm;
+    if (bm > *mx) {
+        if (*mx > -INFINITY) {
+            float c = exp_neg(*mx - bm);
+            *den *= c;
+            for (int64_t d = 0; d < Dv; d++) o[d] *= c;
+        }
+        *mx = bm;
+    }
+    const __m256 vm = _mm256_set1_ps(*mx);
+    __m256 vs = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = exp8_neg(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
+        _mm256_storeu_ps(s + i, x);
+        vs = _mm256_add_ps(vs, x);
+    }
+    float sum = hsum8(vs);
+    for (; i < n; i++) {
+        s[i] = exp_neg(s[i] - *mx);
+        sum += s[i];
+    }
+    *den += sum;
+}
+
+/* float32/bfloat16, D and Dv multiples of 8: software-pipelined over blocks, the scores of
+ * block b+1 computed in the same loop that accumulates the values of block b. */
+static inline __attribute__((always_inline)) void run_task_fast_x(const job_t *J, int64_t t, float *sbuf, int64_t *rng,
+                                                                  int bf) {
+    const int64_t R = J->R, D = J->D, Dv = J->Dv, S = J->S, BS = J->block;
+    const int64_t bh = t / J->nsplit, sp = t % J->nsplit, b = bh / J->H, h = bh % J->H;
+    const float *q = J->q + bh * R * D;
+    float *acc = J->po + t * R * Dv, *mx = J->pm + t * R;
+    double *den = J->pl + t * R;
+    const int64_t el = bf ? 2 : 4, kst = J->kss * el, vst = J->vss * el;
+    const char *kb = (const char *)J->k + (b * J->ksb + h * J->ksh) * el;
+    const char *vb = (const char *)J->v + (b * J->vsb + h * J->vsh) * el;
+    const int64_t *lo = J->lo ? J->lo + b * R : NULL, *hi = J->hi ? J->hi + b * R : NULL;
+    const int64_t s0 = sp * J->chunk, s1 = s0 + J->chunk < S ? s0 + J->chunk : S;
+    int64_t ulo = s1, uhi = s0;
+    for (int64_t r = 0; r < R; r++) {
+        int64_t a = lo ? lo[r] : 0, e = hi ? hi[r] : S;
+        a = a < s0 ? s0 : a;
+        e = e > s1 ? s1 : e;
+        if (a < e) {
+            ulo = a < ulo ? a : ulo;
+            uhi = e > uhi ? e : uhi;
+        }
+        mx[r] = -INFINITY;
+        den[r] = 0.0;
+    }
+    memset(acc, 0, sizeof(float) * R * Dv);
+    if (ulo >= uhi) return;
+    const int64_t nb = (uhi - ulo + BS - 1) / BS;
+    const float cap = J->softcap;
+    for (int64_t blk = -1; blk < nb; blk++) {
+        /* block blk: weights + values; block blk+1: scores. Rows inside the loop over groups
+         * of 4 keys: the first row streams each K/V byte from memory, the others hit L1. */
+        const int64_t c0 = ulo + blk * BS, c1 = c0 + BS < uhi ? c0 + BS : uhi;
+        const int64_t n0 = c1, n1 = n0 + BS < uhi ? n0 + BS : uhi; /* next block [n0, n1) */
+        int64_t gmax = 0;
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t a = lo ? lo[r] : 0, e = hi ? hi[r] : S;
+            int64_t ca = 0, ce = 0, na = 0, ne = 0;
+            if (blk >= 0) {
+                ca = a > c0 ? a : c0;
+                ce = e < c1 ? e : c1;
+                if (ca < ce)
+                    softmax_block(sbuf + (r * 2 + (blk & 1)) * BS, ce - ca, cap, mx + r, den + r, acc + r * Dv, Dv);
+                else
+                    ce = ca;
+            }
+            if (blk + 1 < nb) {
+                na = a > n0 ? a : n0;
+                ne = e < n1 ? e : n1;
+                if (ne < na) ne = na;
+            }
+            rng[4 * r] = ca, rng[4 * r + 1] = ce - ca, rng[4 * r + 2] = na, rng[4 * r + 3] = ne - na;
+            gmax = ce - ca > gmax ? ce - ca : gmax;
+            gmax = ne - na > gmax ? ne - na : gmax;
+        }
+        /* runs of 4 rows with identical ranges in this block share every K/V load */
+        int64_t r4 = 0;
+        if (D == Dv && R >= 4) {
+            int uni = 1;
+            for (int64_t r = 1; r < R && uni; r++)
+                uni = rng[4 * r] == rng[0] && rng[4 * r + 1] == rng[1] && rng[4 * r + 2] == rng[2] &&
+                      rng[4 * r + 3] == rng[3];
+            if (uni) r4 = R / 4 * 4;
+        }
+        if (r4) {
+            const int64_t nv = rng[1], nk = rng[3];
+            const char *K = kb + rng[2] * kst, *V = vb + rng[0] * vst;
+            float *sc = sbuf + (blk & 1) * BS, *sn = sbuf + ((blk + 1) & 1) * BS;
+            const int64_t ss = 2 * BS;
+            int64_t i = 0;
+            if (r4 == R && bf) /* float32: two interleaved rows stream slower than one */
+                for (; i + 2 <= nk && i + 2 <= nv; i += 2)
+                    for (int64_t r = 0; r < r4; r += 4)
+                        dot_axpy2_r4_x(q + r * D, D, K + i * kst, kst, D, sn + r * ss + i, ss, acc + r * Dv, Dv,
+                                       V + i * vst, vst, sc + r * ss + i, ss, bf);
+            for (; i < nk || i < nv; i++) {
+                for (int64_t r = 0; r < r4; r += 4) {
+                    if (i < nk)
+                        dot_axpy1_r4_x(q + r * D, D, K + i * kst, D, sn + r * ss + i, ss, acc + r * Dv, Dv,
+                                       V + i * vst, sc + r * ss + i, ss, i < nv, bf);
+                    else
+                        for (int64_t rr = r; rr < r + 4; rr++) axpy1_x(acc + rr * Dv, V + i * vst, Dv, sc[rr * ss + i], bf);
+                }
+                for (int64_t r = r4; r < R; r++) {
+                    if (i < nk && i < nv)
+                        dot_axpy1_x(q + r * D, K + i * kst, D, sn + r * ss + i, acc + r * Dv, V + i * vst, Dv,
+                                    sc[r * ss + i], bf);
+                    else if (i < nk)
+                        dot1_x(q + r * D, K + i * kst, D, sn + r * ss + i, bf);
+                    else
+                        axpy1_x(acc + r * Dv, V + i * vst, Dv, sc[r * ss + i], bf);
+                }
+            }
+            continue;
+        }
+        for (int64_t i = 0; i < gmax; i++)
+            for (int64_t r = 0; r < R; r++) {
+                const int64_t nv = rng[4 * r + 1], nk = rng[4 * r + 3];
+                float *sc = sbuf + (r * 2 + (blk & 1)) * BS, *sn = sbuf + (r * 2 + ((blk + 1) & 1)) * BS;
+                const char *K = kb + (rng[4 * r + 2] + i) * kst, *V = vb + (rng[4 * r] + i) * vst;
+                if (i < nk && i < nv)
+                    dot_axpy1_x(q + r * D, K, D, sn + i, acc + r * Dv, V, Dv, sc[i], bf);
+                else if (i < nk)
+                    dot1_x(q + r * D, K, D, sn + i, bf);
+                else if (i < nv)
+                    axpy1_x(acc + r * Dv, V, Dv, sc[i], bf);
+            }
+    }
+}
+
+static void run_task_fast_f32(const job_t *J, int64_t t, float *sbuf, int64_t *rng) { run_task_fast_x(J, t, sbuf, rng, 0); }
+static void run_task_fast_bf16(const job_t *J, int64_t t, float *sbuf, int64_t *rng) { run_task_fast_x(J, t, sbuf, rng, 1); }
+#endif
+
+typedef struct {
+    const job_t *J;
+    int tid;
+    int err;
+} worker_t;
+
+static void *worker(void *arg) {
+    worker_t *w = (worker_t *)arg;
+    const job_t *J = w->J;
+    const int64_t BS = J->block;
+    float *kbuf = NULL, *vbuf = NULL, *sbuf = (float *)malloc(sizeof(float) * BS * 2 * (J->R + 1));
+    int64_t *ivs = (int64_t *)malloc(sizeof(int64_t) * 4 * (J->R + 1));
+    if (J->dtype != DT_F32) {
+        kbuf = (float *)malloc(sizeof(float) * BS * J->D);
+        vbuf = (float *)malloc(sizeof(float) * BS * J->Dv);
+    }
+    if (!sbuf || !ivs || (J->dtype != DT_F32 && (!kbuf || !vbuf))) {
+        w->err = 1;
+    } else {
+        /* contiguous ranges of tasks per thread: neighbouring S splits stay on one core */
+        int64_t per = (J->ntasks + J->nthreads - 1) / J->nthreads;
+        int64_t t0 = w->tid * per, t1 = t0 + per < J->ntasks ? t0 + per : J->ntasks;
+#ifdef HAVE_AVX2
+        const int fast = J->D % 8 == 0 && J->Dv % 8 == 0 && J->dtype != DT_F16;
+        if (fast && J->dtype == DT_F32)
+            for (int64_t t = t0; t < t1; t++) run_task_fast_f32(J, t, sbuf, ivs);
+        else if (fast)
+            for (int64_t t = t0; t < t1; t++) run_task_fast_bf16(J, t, sbuf, ivs);
+        else
+#endif
+            for (int64_t t = t0; t < t1; t++) run_task(J, t, kbuf, vbuf, sbuf, ivs);
+    }
+    free(kbuf);
+    free(vbuf);
+    free(sbuf);
+    free(ivs);
+    return NULL;
+}
+
+/* Returns 0 on success, 1 on allocation failure, 2 on bad arguments. */
+int treeattn_decode(const float *q, const void *k, const void *v, int dtype, int64_t B, int64_t H, int64_t R,
+                    int64_t S, int64_t D, int64_t Dv, int64_t ksb, int64_t ksh, int64_t kss, int64_t vsb,
+                    int64_t vsh, int64_t vss, const int64_t *lo, const int64_t *hi, float softcap, int nthreads,
+                    int64_t block, int64_t min_split, float *out, float *lse) {
+    if (dtype < 0 || dtype > 2 || B < 0 || H < 0 || R < 0 || S < 0 || D <= 0 || Dv <= 0 || block <= 0)
+        return 2;
+    if (nthreads < 1) nthreads = 1;
+    if (min_split < block) min_split = block;
+    const int64_t BH = B * H;
+    if (BH * R == 0) return 0;
+    /* split S so that there are >= nthreads tasks, each >= min_split keys */
+    int64_t nsplit = 1;
+    if (BH < nthreads && S > min_split) {
+        nsplit = (nthreads + BH - 1) / BH;
+        if (nsplit > S / min_split) nsplit = S / min_split;
+        if (nsplit < 1) nsplit = 1;
+    }
+    int64_t chunk = (S + nsplit - 1) / nsplit;
+    chunk = (chunk + block - 1) / block * block;
+    if (chunk == 0) chunk = 1;
+    nsplit = S ? (S + chunk - 1) / chunk : 1;
+    job_t J = {q, k, v, dtype, B, H, R, S, D, Dv, ksb, ksh, kss, vsb, vsh, vss, lo, hi, softcap, nsplit, chunk, block,
+               NULL, NULL, NULL, BH * nsplit, nthreads};
+    if (J.nthreads > J.ntasks) J.nthreads = (int)J.ntasks;
+    const int own = nsplit > 1;
+    J.po = own ? (float *)malloc(sizeof(float) * J.ntasks * R * Dv) : out;
+    J.pm = (float *)malloc(sizeof(float) * J.ntasks * R);
+    J.pl = (double *)malloc(sizeof(double) * J.ntasks * R);
+    int err = (!J.po || !J.pm || !J.pl);
+    if (!err) {
+        worker_t ws[256];
+        pthread_t th[256];
+        int nt = J.nthreads > 256 ? 256 : J.nthreads;
+        J.nthreads = nt;
+        int started[256] = {0};
+        for (int i = 0; i < nt; i++) ws[i] = (worker_t){&J, i, 0};
+        for (int i = 1; i < nt; i++) started[i] = pthread_create(&th[i], NULL, worker, &ws[i]) == 0;
+        worker(&ws[0]);
+        for (int i = 1; i < nt; i++) {
+            if (started[i]) pthread_join(th[i], NULL);
+            else worker(&ws[i]); /* could not start a thread: do its share here */
+        }
+        for (int i = 0; i < nt; i++) err |= ws[i].err;
+    }
+    if (!err) {
+        for (int64_t bh = 0; bh < BH; bh++)
+            for (int64_t r = 0; r < R; r++) {
+                float M = -INFINITY;
+                for (int64_t sp = 0; sp < nsplit; sp++) {
+                    float m = J.pm[(bh * nsplit + sp) * R + r];
+                    M = m > M ? m : M;
+                }
+                double L = 0;
+                float *o = out + (bh * R + r) * Dv;
+                if (own) memset(o, 0, sizeof(float) * Dv);
+                for (int64_t sp = 0; sp < nsplit; sp++) {
+                    int64_t t = bh * nsplit + sp;
+                    float m = J.pm[t * R + r];
+                    if (m == -INFINITY) continue;
+                    float c = own ? exp_neg(m - M) : 1.0f;
+                    L += J.pl[t * R + r] * c;
+                    if (own) {
+                        const float *restrict po = J.po + (t * R + r) * Dv;
+                        for (int64_t d = 0; d < Dv; d++) o[d] += c * po[d];
+                    }
+                }
+                if (L > 0) {
+                    float inv = (float)(1.0 / L);
+                    for (int64_t d = 0; d < Dv; d++) o[d] *= inv;
+                    lse[bh * R + r] = M + (float)log(L);
+                } else {
+                    memset(o, 0, sizeof(float) * Dv);
+                    lse[bh * R + r] = -INFINITY;
+                }
+            }
+    }
+    if (own) free(J.po);
+    free(J.pm);
+    free(J.pl);
+    return err ? 1 : 0;
+}

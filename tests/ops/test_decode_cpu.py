@@ -1,0 +1,223 @@
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import treeattn.ops._decode_cpu as DC
+from reference import assert_within_tolerance, max_err
+from treeattn import attention_with_lse
+from treeattn.ops._decode_cpu import decode_cpu, decode_torch
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    # one build per session in a private cache dir (the session-wide lib stays loaded)
+    d = tmp_path_factory.getbasetemp() / "kcache"
+    monkeypatch.setenv("TREEATTN_CACHE_DIR", str(d))
+
+
+def make(B, Hkv, G, Tq, S, D, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hkv * G, Tq, D, generator=g).to(dtype)
+    k = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    v = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    return q, k, v
+
+
+def test_kernel_builds():
+    assert DC.kernel_available(), DC.kernel_info()
+
+
+GRID = list(
+    itertools.product(
+        [torch.float32, torch.bfloat16, torch.float16],
+        [1, 3, 8],  # G
+        [64, 80, 128],  # D
+        [1, 3, 8],  # Tq
+    )
+)
+
+
+@pytest.mark.parametrize("dtype,G,D,Tq", GRID)
+def test_grid_vs_float64(dtype, G, D, Tq):
+    """attention_with_lse(backend='decode_cpu'), ragged lengths incl. 0, causal and not,
+    against the float64 reference with flash-attn's 2x-plain-torch rule."""
+    S = 150
+    q, k, v = make(3, 2, G, Tq, S, D, dtype, seed=G * 1000 + D + Tq)
+    kv_lens = torch.tensor([S, 0, 77])
+    for causal in (False, True):
+        out, lse = attention_with_lse(q, k, v, kv_lens=kv_lens, causal=causal, backend="decode_cpu")
+        assert out.dtype == dtype and lse.dtype == torch.float32 and out.shape == q.shape
+        assert_within_tolerance(out, lse, q, k, v, kv_lens=kv_lens, causal=causal)
+        assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
+
+
+def ref_rows(qg, k, v, scale, lo, hi, softcap):
+    """float64 [B, H, R] reference with per-row [lo, hi) and softcap."""
+    q, k, v = qg.double(), k.double(), v.double()
+    s = q @ k.transpose(-1, -2) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    j = torch.arange(k.shape[2])
+    vis = (j >= lo[:, None, :, None]) & (j < hi[:, None, :, None])
+    s = s.masked_fill(~vis, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    return torch.softmax(s, -1).nan_to_num(0.0) @ v.masked_fill(~vis.any(2).unsqueeze(-1), 0.0), lse
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_lo_hi_softcap_threads(dtype, threads, softcap, monkeypatch):
+    monkeypatch.setattr(DC, "_MIN_BYTES_PER_THREAD", 0)  # let 2 threads split a small S
+    B, H, R, S, D = 2, 3, 6, 3000, 64
+    g = torch.Generator().manual_seed(threads + (softcap is None))
+    qg = torch.randn(B, H, R, D, generator=g) * 2
+    k = torch.randn(B, H, S, D, generator=g).to(dtype)
+    v = torch.randn(B, H, S, D, generator=g).to(dtype)
+    lo = torch.randint(0, S // 2, (B, R), generator=g)
+    hi = torch.randint(S // 2, S + 1, (B, R), generator=g)
+    hi[0, 0], lo[1, 2], hi[1, 2] = lo[0, 0], -5, 10_000  # an empty row; out-of-range bounds clip
+    k_nan, v_nan = k.clone(), v.clone()
+    vis = torch.zeros(B, S, dtype=torch.bool)
+    for b in range(B):
+        for r in range(R):
+            vis[b, max(0, lo[b, r]) : min(S, hi[b, r])] = True
+    k_nan[~vis.view(B, 1, S, 1).expand_as(k)] = float("nan")
+    v_nan[~vis.view(B, 1, S, 1).expand_as(v)] = float("nan")
+    o, l = decode_cpu(qg, k_nan, v_nan, 0.125, lo, hi, softcap, threads=threads)
+    ro, rl = ref_rows(qg, k, v, 0.125, lo.clamp(0, S), hi.clamp(0, S), softcap)
+    # plain torch in the same dtype, as the error yardstick
+    po, pl = decode_torch(qg.to(dtype), k, v, 0.125, lo, hi, softcap)
+    tol_o = 2 * max(max_err(po.to(dtype), ro), 1e-6) + 1e-6
+    assert max_err(o, ro) <= tol_o
+    assert max_err(l, rl) <= 2 * max(max_err(pl, rl), 1e-6) + 1e-5
+    assert torch.isneginf(l[0, :, 0]).all() and (o[0, :, 0] == 0).all()
+    # bitwise the same with clean keys (nothing outside [lo, hi) was used)
+    o2, l2 = decode_cpu(qg, k, v, 0.125, lo, hi, softcap, threads=threads)
+    assert torch.equal(o, o2) and torch.equal(l, l2)
+
+
+def test_gap_between_row_ranges_is_never_read():
+    """Rows see [0, 100) and [200, 300): keys 100..199 hold NaN and are not read."""
+    for dtype in (torch.float32, torch.bfloat16):
+        qg = torch.randn(1, 2, 2, 32)
+        k, v = torch.randn(1, 2, 300, 32).to(dtype), torch.randn(1, 2, 300, 32).to(dtype)
+        lo, hi = torch.tensor([[0, 200]]), torch.tensor([[100, 300]])
+        k2, v2 = k.clone(), v.clone()
+        k2[:, :, 100:200] = float("nan")
+        v2[:, :, 100:200] = float("nan")
+        o, l = decode_cpu(qg, k2, v2, 0.2, lo, hi)
+        ro, rl = ref_rows(qg, k, v, 0.2, lo, hi, None)
+        assert torch.isfinite(o).all()
+        assert max_err(o, ro) < 1e-2 and max_err(l, rl) < 1e-4
+
+
+def test_threads_split_matches_one_thread(monkeypatch):
+    monkeypatch.setattr(DC, "_MIN_BYTES_PER_THREAD", 0)
+    monkeypatch.setattr(DC, "_MIN_SPLIT", 64)
+    qg = torch.randn(1, 1, 4, 64)
+    k, v = torch.randn(1, 1, 5000, 64), torch.randn(1, 1, 5000, 64)
+    o1, l1 = decode_cpu(qg, k, v, 0.1, threads=1)
+    for t in (2, 3, 7):
+        o, l = decode_cpu(qg, k, v, 0.1, threads=t)
+        assert (o - o1).abs().max() < 1e-5 and (l - l1).abs().max() < 1e-5
+    ro, rl = ref_rows(qg, k, v, 0.1, torch.zeros(1, 4, dtype=torch.long), torch.full((1, 4), 5000), None)
+    assert max_err(o1, ro) < 1e-5 and max_err(l1, rl) < 1e-5
+
+
+def test_strided_cache_slices_and_empty():
+    """k/v as slices of a larger [B, S, H, D] cache (strided over S and H), and S = 0."""
+    cache_k, cache_v = torch.randn(2, 500, 4, 64), torch.randn(2, 500, 4, 64)
+    k, v = cache_k.transpose(1, 2)[:, :, :300], cache_v.transpose(1, 2)[:, :, :300]
+    qg = torch.randn(2, 4, 3, 64)
+    o, l = decode_cpu(qg, k, v, 0.1)
+    o2, l2 = decode_cpu(qg, k.contiguous(), v.contiguous(), 0.1)
+    assert torch.allclose(o, o2, atol=1e-6) and torch.allclose(l, l2, atol=1e-6)
+    o, l = decode_cpu(qg, k[:, :, :0], v[:, :, :0], 0.1)
+    assert (o == 0).all() and torch.isneginf(l).all()
+
+
+def test_value_dim_differs_and_float64_falls_back():
+    qg = torch.randn(1, 2, 2, 64)
+    k, v = torch.randn(1, 2, 100, 64), torch.randn(1, 2, 100, 48)
+    o, l = decode_cpu(qg, k, v, 0.1)
+    ro, rl = ref_rows(qg, k, v, 0.1, torch.zeros(1, 2, dtype=torch.long), torch.full((1, 2), 100), None)
+    assert o.shape == (1, 2, 2, 48) and max_err(o, ro) < 1e-5 and max_err(l, rl) < 1e-5
+    o, l = decode_cpu(qg.double(), k.double(), v.double(), 0.1)
+    assert o.dtype == torch.float64 and max_err(o, ro) < 1e-12
+
+
+def test_fallback_forced(monkeypatch):
+    monkeypatch.setattr(DC, "_state", {})
+    monkeypatch.setenv("TREEATTN_NO_CKERNEL", "1")
+    assert not DC.kernel_available() and "TREEATTN_NO_CKERNEL" in DC.kernel_info()
+    q, k, v = make(2, 2, 3, 2, 90, 64, torch.bfloat16, seed=4)
+    kv_lens = torch.tensor([90, 0])
+    out, lse = attention_with_lse(q, k, v, kv_lens=kv_lens, causal=True, backend="decode_cpu")
+    assert_within_tolerance(out, lse, q, k, v, kv_lens=kv_lens, causal=True)
+
+
+def test_no_compiler_falls_back(monkeypatch):
+    monkeypatch.setattr(DC, "_state", {})
+    monkeypatch.setattr(DC, "_compiler", lambda: None)
+    assert not DC.kernel_available() and "no C compiler" in DC.kernel_info()
+    q, k, v = make(1, 2, 2, 1, 50, 64, torch.float32)
+    out, lse = attention_with_lse(q, k, v, backend="decode_cpu")
+    assert_within_tolerance(out, lse, q, k, v)
+
+
+def test_compile_cache_reused(tmp_path):
+    """A fresh process builds into an empty cache dir; a second one loads the same file
+    without compiling (no new file, mtime unchanged)."""
+    code = "import treeattn.ops._decode_cpu as D; assert D.kernel_available(), D.kernel_info(); print(D.kernel_info())"
+    env = dict(os.environ, TREEATTN_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join(sys.path))
+    env.pop("TREEATTN_NO_CKERNEL", None)
+    r1 = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r1.returncode == 0, r1.stderr
+    files = sorted(Path(tmp_path).iterdir())
+    assert len(files) == 1 and files[0].suffix == ".so"  # no temp files left behind
+    mtime = files[0].stat().st_mtime_ns
+    r2 = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r2.returncode == 0 and r2.stdout == r1.stdout
+    assert sorted(Path(tmp_path).iterdir()) == files and files[0].stat().st_mtime_ns == mtime
+
+
+def test_auto_picks_decode_cpu_for_decode_shapes():
+    from treeattn.ops.attention import _pick_backend
+
+    q, k, v = make(1, 8, 4, 1, 10, 64, torch.float32)
+    assert _pick_backend(q, k, v) == "decode_cpu"
+    q, k, v = make(1, 1, 8, 128, 10, 64, torch.float32)  # prefill-sized (1024 rows): GEMM kernel
+    assert _pick_backend(q, k, v) == "flash_cpu"
+
+
+def test_dense_mask_not_taken():
+    from treeattn.ops.attention import _attention
+
+    q, k, v = make(1, 2, 2, 2, 40, 32, torch.float32)
+    mask = torch.rand(1, 2, 40) > 0.3
+    with pytest.raises(ValueError, match="no dense mask"):
+        _attention(q, k, v, mask=mask, backend="decode_cpu")
+    out, lse = _attention(q, k, v, mask=mask, backend="auto")  # auto routes around it
+    assert_within_tolerance(out, lse, q, k, v, mask=mask)
+
+
+def test_portable_build_without_native_flags(monkeypatch):
+    """The generic C path (no -march=native: no AVX2 intrinsics) gives the same results."""
+    monkeypatch.setattr(DC, "_state", {})
+    monkeypatch.setattr(DC, "_FLAG_SETS", (["-O2"],))
+    assert DC.kernel_available(), DC.kernel_info()
+    for dtype, G, Tq, causal in [
+        (torch.float32, 3, 2, True),
+        (torch.bfloat16, 8, 1, False),
+        (torch.float16, 1, 4, True),
+    ]:
+        q, k, v = make(2, 2, G, Tq, 200, 80, dtype, seed=G + Tq)
+        kv_lens = torch.tensor([200, 31])
+        out, lse = attention_with_lse(q, k, v, kv_lens=kv_lens, causal=causal, backend="decode_cpu")
+        assert_within_tolerance(out, lse, q, k, v, kv_lens=kv_lens, causal=causal)
