@@ -38,19 +38,20 @@ def close(out, lse, args, what):
 
 
 def kernel_calls(run) -> int:
-    """How many local attention kernels (torch or flash_cpu path) ``run()`` started."""
+    """How many local attention kernels (torch, flash_cpu or decode_cpu path) ``run()`` started."""
+    import treeattn.ops._decode_cpu as C
     import treeattn.ops.attention as A
 
-    calls, real = [], (A._chunked, A._flash_cpu)
+    calls, real = [], (A._chunked, A._flash_cpu, C.decode_cpu)
 
     def counted(fn):
         return lambda *a, **kw: calls.append(1) or fn(*a, **kw)
 
-    A._chunked, A._flash_cpu = counted(real[0]), counted(real[1])
+    A._chunked, A._flash_cpu, C.decode_cpu = (counted(f) for f in real)
     try:
         run()
     finally:
-        A._chunked, A._flash_cpu = real
+        A._chunked, A._flash_cpu, C.decode_cpu = real
     return len(calls)
 
 
