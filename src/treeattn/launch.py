@@ -13,6 +13,7 @@ import faulthandler
 import multiprocessing as mp
 import os
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -90,6 +91,12 @@ def _entry(fn, rank, nproc, local_size, store, errdir, threads, backend, coll_ti
         Path(errdir, f"{rank}.txt").write_text(f"{time.monotonic_ns()}\n{traceback.format_exc()}")
         raise SystemExit(1) from None
     dist.destroy_process_group()
+    # Skip interpreter finalization: tearing down torch/gloo's native threads in static
+    # destructors at exit intermittently aborts ("terminate called without an active
+    # exception", SIGSEGV) after the work has finished; the rank's result is already final.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def launch(
