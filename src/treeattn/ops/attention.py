@@ -233,9 +233,7 @@ def _attention(
         out, lse = _flash_cpu(qg, k, v, scale, lo, hi, vis)
     else:
         out, lse = _chunked(qg, k, v, scale, lo, hi, vis, seq, softcap)
-    # contiguous lse: the fused kernel returns it transposed, and a collective over ranks whose
-    # states have different memory layouts would pair up the wrong elements
-    return out.to(acc if keep_fp32 else q.dtype).reshape(B, Hq, Tq, Dv), lse.reshape(B, Hq, Tq).contiguous()
+    return out.to(acc if keep_fp32 else q.dtype).reshape(B, Hq, Tq, Dv), lse.reshape(B, Hq, Tq)
 
 
 # Largest rows per KV head (G * Tq) for which auto picks decode_cpu, per dtype (measured,
