@@ -196,7 +196,7 @@ def generate(
             )
         if why is not None:
             raise ValueError(why)
-        max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        max_pos = getattr(model.config, "max_position_embeddings", None)
         if max_pos and input_ids.shape[1] + max_new_tokens > max_pos:
             L0 = input_ids.shape[1]
             room = f"at most {max_pos - L0} new tokens" if L0 < max_pos else "a prompt shorter than that"

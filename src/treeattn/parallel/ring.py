@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..comm.collectives import all_gather, sendrecv, world
 from ..ops.attention import _attention
-from ..ops.state import empty_state, merge_states, merge_states_n
+from ..ops.state import merge_states, merge_states_n
 from ._common import validate_decode
 from .tree import new_token_state
 
@@ -139,14 +139,7 @@ def ring_decode(
             sb = None
             if starts is not None:
                 sb = info[src, 1 + B :].view(B, -1)
-                if kv_start.ndim == 1:
-                    sb = sb[:, 0]
-                if not bool((sb < lb.view(B, *([1] * (sb.ndim - 1)))).any()):  # nothing visible in this block
-                    out, lse = empty_state((*q.shape[:3], v.shape[3]), q.device)
-                    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-                    states[src] = (out.to(acc), lse.to(acc))
-                    return
-                sb = sb.to(q.device) if bool((sb > 0).any()) else None
+                sb = (sb[:, 0] if kv_start.ndim == 1 else sb).to(q.device)  # _attention skips an unseen block
             lb = None if bool((lb == kb.shape[2]).all()) else lb.to(q.device)  # info is on the host
         states[src] = _attention(
             q, kb, vb, scale=scale, kv_lens=lb, kv_start=sb, softcap=softcap, backend=backend, keep_fp32=True
