@@ -30,6 +30,8 @@
 
 typedef struct {
     const float *q; /* [B, H, R, D] float32, already multiplied by the scale */
+    const uint16_t *qb; /* the same rows in bfloat16, unscaled (bf16 q only; else NULL) */
+    float scale;
     const void *k, *v;
     int dtype;
     int64_t B, H, R, S, D, Dv;
@@ -470,13 +472,128 @@ static inline __attribute__((always_inline)) void dot_axpy2_r4_x(const float *q,
     s[2 * ss] = hsum8(a20), s[2 * ss + 1] = hsum8(a21), s[3 * ss] = hsum8(a30), s[3 * ss + 1] = hsum8(a31);
 }
 
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define HAVE_BF16DP 1
+#ifndef PF_BF
+#define PF_BF 2048
+#endif
+/* bfloat16 with AVX512-BF16, 4 query rows that see the same keys k0, k1 (D % 32 == 0, D == Dv):
+ * vdpbf16ps multiplies bf16 pairs and accumulates in float32, so the scores need no widening
+ * of K (q is bf16 already) and the values take two keys per instruction with the weights
+ * rounded to bf16 pairs, as flash-attn does for P.V on GPUs. s[r*ss + {0,1}] = scale * q_r.k_j;
+ * o_r += p_r0 v0 + p_r1 v1 with pw[r*pws] = (bf16 p_r0) | (bf16 p_r1) << 16. */
+/* reduce 8 accumulators (rows 0-3 x keys 0-1) to scale * their sums, in s[r * ss + j] */
+static inline __attribute__((always_inline)) void hsum8x_r4(__m512 a00, __m512 a01, __m512 a10, __m512 a11, __m512 a20,
+                                                            __m512 a21, __m512 a30, __m512 a31, float scale, float *s,
+                                                            int64_t ss) {
+    /* fold 512 -> 256 -> 128 bits for pairs of accumulators */
+    const __m512 t0 = _mm512_add_ps(_mm512_shuffle_f32x4(a00, a01, 0x44), _mm512_shuffle_f32x4(a00, a01, 0xEE));
+    const __m512 t1 = _mm512_add_ps(_mm512_shuffle_f32x4(a10, a11, 0x44), _mm512_shuffle_f32x4(a10, a11, 0xEE));
+    const __m512 t2 = _mm512_add_ps(_mm512_shuffle_f32x4(a20, a21, 0x44), _mm512_shuffle_f32x4(a20, a21, 0xEE));
+    const __m512 t3 = _mm512_add_ps(_mm512_shuffle_f32x4(a30, a31, 0x44), _mm512_shuffle_f32x4(a30, a31, 0xEE));
+    /* u0 lanes (128 bit): partials of [a00, a01, a10, a11]; u1: [a20, a21, a30, a31] */
+    const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(t0, t1, 0x88), _mm512_shuffle_f32x4(t0, t1, 0xDD));
+    const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(t2, t3, 0x88), _mm512_shuffle_f32x4(t2, t3, 0xDD));
+    __m512 x = _mm512_add_ps(_mm512_unpacklo_ps(u0, u1), _mm512_unpackhi_ps(u0, u1));
+    x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E)); /* lane l: [sum u0_l, sum u1_l, ...] */
+    /* gather [a00 a01 a10 a11 a20 a21 a30 a31] into the low 8 lanes; each row's two scores
+     * are one 64-bit store (no round trip through memory) */
+    x = _mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 13, 9, 5, 1, 12, 8, 4, 0), x);
+    const __m256 y = _mm256_mul_ps(_mm512_castps512_ps256(x), _mm256_set1_ps(scale));
+    const __m128 y0 = _mm256_castps256_ps128(y), y1 = _mm256_extractf128_ps(y, 1);
+    _mm_storel_pi((__m64 *)s, y0);
+    _mm_storeh_pi((__m64 *)(s + ss), y0);
+    _mm_storel_pi((__m64 *)(s + 2 * ss), y1);
+    _mm_storeh_pi((__m64 *)(s + 3 * ss), y1);
+}
+
+static inline __attribute__((always_inline)) void dp2_r4_bf(const uint16_t *q, int64_t qs, const char *k, int64_t ks,
+                                                            int64_t D, float scale, float *s, int64_t ss, float *o,
+                                                            int64_t os, const char *v, int64_t vs, const uint32_t *pw,
+                                                            const uint32_t *pl, int64_t pws) {
+    __m512 a00 = _mm512_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+    const __m512bh w0 = (__m512bh)_mm512_set1_epi32((int)pw[0]), w1 = (__m512bh)_mm512_set1_epi32((int)pw[pws]),
+                   w2 = (__m512bh)_mm512_set1_epi32((int)pw[2 * pws]),
+                   w3 = (__m512bh)_mm512_set1_epi32((int)pw[3 * pws]);
+    const __m512bh l0 = (__m512bh)_mm512_set1_epi32((int)pl[0]), l1 = (__m512bh)_mm512_set1_epi32((int)pl[pws]),
+                   l2 = (__m512bh)_mm512_set1_epi32((int)pl[2 * pws]),
+                   l3 = (__m512bh)_mm512_set1_epi32((int)pl[3 * pws]);
+    const __m512i ilo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
+                                         5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
+    const uint16_t *k0 = (const uint16_t *)k, *k1 = (const uint16_t *)(k + ks);
+    const uint16_t *v0 = (const uint16_t *)v, *v1 = (const uint16_t *)(v + vs);
+    for (int64_t d = 0; d < D; d += 32) {
+#if PF_BF
+        _mm_prefetch((const char *)(k0 + d) + PF_BF, _MM_HINT_T0);
+        _mm_prefetch((const char *)(k1 + d) + PF_BF, _MM_HINT_T0);
+        _mm_prefetch((const char *)(v0 + d) + PF_BF, _MM_HINT_T0);
+        _mm_prefetch((const char *)(v1 + d) + PF_BF, _MM_HINT_T0);
+#endif
+        const __m512bh x0 = (__m512bh)_mm512_loadu_si512(k0 + d), x1 = (__m512bh)_mm512_loadu_si512(k1 + d);
+        __m512bh w = (__m512bh)_mm512_loadu_si512(q + d);
+        a00 = _mm512_dpbf16_ps(a00, w, x0), a01 = _mm512_dpbf16_ps(a01, w, x1);
+        w = (__m512bh)_mm512_loadu_si512(q + qs + d);
+        a10 = _mm512_dpbf16_ps(a10, w, x0), a11 = _mm512_dpbf16_ps(a11, w, x1);
+        w = (__m512bh)_mm512_loadu_si512(q + 2 * qs + d);
+        a20 = _mm512_dpbf16_ps(a20, w, x0), a21 = _mm512_dpbf16_ps(a21, w, x1);
+        w = (__m512bh)_mm512_loadu_si512(q + 3 * qs + d);
+        a30 = _mm512_dpbf16_ps(a30, w, x0), a31 = _mm512_dpbf16_ps(a31, w, x1);
+        const __m512i y0 = _mm512_loadu_si512(v0 + d), y1 = _mm512_loadu_si512(v1 + d);
+        const __m512bh lo = (__m512bh)_mm512_permutex2var_epi16(y0, ilo, y1),
+                       hi = (__m512bh)_mm512_permutex2var_epi16(y0, ihi, y1);
+        float *od = o + d;
+        _mm512_storeu_ps(od, _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_loadu_ps(od), lo, w0), lo, l0));
+        _mm512_storeu_ps(od + 16, _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_loadu_ps(od + 16), hi, w0), hi, l0));
+        od += os;
+        _mm512_storeu_ps(od, _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_loadu_ps(od), lo, w1), lo, l1));
+        _mm512_storeu_ps(od + 16, _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_loadu_ps(od + 16), hi, w1), hi, l1));
+        od += os;
+        _mm512_storeu_ps(od, _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_loadu_ps(od), lo, w2), lo, l2));
+        _mm512_storeu_ps(od + 16, _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_loadu_ps(od + 16), hi, w2), hi, l2));
+        od += os;
+        _mm512_storeu_ps(od, _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_loadu_ps(od), lo, w3), lo, l3));
+        _mm512_storeu_ps(od + 16, _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_loadu_ps(od + 16), hi, w3), hi, l3));
+    }
+    hsum8x_r4(a00, a01, a10, a11, a20, a21, a30, a31, scale, s, ss);
+}
+
+/* n weights to bf16 (round to nearest even), in place order: pairs (p_2i, p_2i+1) as uint32 */
+static inline void weights_bf16(const float *p, int64_t n, uint16_t *out, uint16_t *lo) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 x = _mm512_loadu_ps(p + i);
+        const __m256bh h = _mm512_cvtneps_pbh(x);
+        _mm256_storeu_si256((__m256i *)(out + i), (__m256i)h);
+        _mm256_storeu_si256((__m256i *)(lo + i), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, _mm512_cvtpbh_ps(h))));
+    }
+    for (; i < n; i++) {
+        uint32_t u;
+        float f, r;
+        memcpy(&u, p + i, 4);
+        out[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        u = (uint32_t)out[i] << 16;
+        memcpy(&f, &u, 4);
+        r = p[i] - f;
+        memcpy(&u, &r, 4);
+        lo[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+}
+#endif
+
 /* softmax of row r's block scores s[0..n) into weights, updating its running max/denominator
  * and rescaling its accumulator */
 static inline void softmax_block(float *s, int64_t n, float cap, float *mx, double *den, float *o, int64_t Dv) {
     if (cap > 0)
         for (int64_t i = 0; i < n; i++) s[i] = softcap_f(s[i], cap);
-    float bm = -INFINITY;
-    for (int64_t i = 0; i < n; i++) bm = s[i] > bm ? s[i] : bm;
+    __m256 vb = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) vb = _mm256_max_ps(vb, _mm256_loadu_ps(s + i));
+    __m128 b4 = _mm_max_ps(_mm256_castps256_ps128(vb), _mm256_extractf128_ps(vb, 1));
+    b4 = _mm_max_ps(b4, _mm_movehl_ps(b4, b4));
+    float bm = _mm_cvtss_f32(_mm_max_ss(b4, _mm_movehdup_ps(b4)));
+    for (; i < n; i++) bm = s[i] > bm ? s[i] : bm;
     if (bm > *mx) {
         if (*mx > -INFINITY) {
             float c = exp_neg(*mx - bm);
@@ -487,8 +604,7 @@ static inline void softmax_block(float *s, int64_t n, float cap, float *mx, doub
     }
     const __m256 vm = _mm256_set1_ps(*mx);
     __m256 vs = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
+    for (i = 0; i + 8 <= n; i += 8) {
         __m256 x = exp8_neg(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
         _mm256_storeu_ps(s + i, x);
         vs = _mm256_add_ps(vs, x);
@@ -572,6 +688,20 @@ static inline __attribute__((always_inline)) void run_task_fast_x(const job_t *J
             float *sc = sbuf + (blk & 1) * BS, *sn = sbuf + ((blk + 1) & 1) * BS;
             const int64_t ss = 2 * BS;
             int64_t i = 0;
+#ifdef HAVE_BF16DP
+            if (bf && J->qb && r4 == R && D % 32 == 0 && BS % 2 == 0) {
+                uint16_t *pb = (uint16_t *)(sbuf + 2 * BS * (R + 1));
+                const uint16_t *qb = J->qb + bh * R * D;
+                const int64_t np = nk < nv ? nk : nv;
+                if (np >= 2)
+                    for (int64_t r = 0; r < R; r++) weights_bf16(sc + r * ss, np, pb + r * BS, pb + (R + r) * BS);
+                for (; i + 2 <= np; i += 2)
+                    for (int64_t r = 0; r < R; r += 4)
+                        dp2_r4_bf(qb + r * D, D, K + i * kst, kst, D, J->scale, sn + r * ss + i, ss, acc + r * Dv, Dv,
+                                  V + i * vst, vst, (const uint32_t *)(pb + r * BS + i),
+                                  (const uint32_t *)(pb + (R + r) * BS + i), BS / 2);
+            }
+#endif
             if (r4 == R && bf) /* float32: two interleaved rows stream slower than one */
                 for (; i + 2 <= nk && i + 2 <= nv; i += 2)
                     for (int64_t r = 0; r < r4; r += 4)
@@ -626,7 +756,8 @@ static void *worker(void *arg) {
     worker_t *w = (worker_t *)arg;
     const job_t *J = w->J;
     const int64_t BS = J->block;
-    float *kbuf = NULL, *vbuf = NULL, *sbuf = (float *)malloc(sizeof(float) * BS * 2 * (J->R + 1));
+    /* scores: 2 blocks per row (+1 spare); then bf16 weights, one block per row */
+    float *kbuf = NULL, *vbuf = NULL, *sbuf = (float *)malloc(sizeof(float) * (BS * 2 * (J->R + 1) + BS * J->R + 16));
     int64_t *ivs = (int64_t *)malloc(sizeof(int64_t) * 4 * (J->R + 1));
     if (J->dtype != DT_F32) {
         kbuf = (float *)malloc(sizeof(float) * BS * J->D);
@@ -656,7 +787,7 @@ static void *worker(void *arg) {
 }
 
 /* Returns 0 on success, 1 on allocation failure, 2 on bad arguments. */
-int treeattn_decode(const float *q, const void *k, const void *v, int dtype, int64_t B, int64_t H, int64_t R,
+int treeattn_decode(const float *q, const uint16_t *qb, float scale, const void *k, const void *v, int dtype, int64_t B, int64_t H, int64_t R,
                     int64_t S, int64_t D, int64_t Dv, int64_t ksb, int64_t ksh, int64_t kss, int64_t vsb,
                     int64_t vsh, int64_t vss, const int64_t *lo, const int64_t *hi, float softcap, int nthreads,
                     int64_t block, int64_t min_split, float *out, float *lse) {
@@ -677,11 +808,14 @@ int treeattn_decode(const float *q, const void *k, const void *v, int dtype, int
     chunk = (chunk + block - 1) / block * block;
     if (chunk == 0) chunk = 1;
     nsplit = S ? (S + chunk - 1) / chunk : 1;
-    job_t J = {q, k, v, dtype, B, H, R, S, D, Dv, ksb, ksh, kss, vsb, vsh, vss, lo, hi, softcap, nsplit, chunk, block,
+    job_t J = {q, qb, scale, k, v, dtype, B, H, R, S, D, Dv, ksb, ksh, kss, vsb, vsh, vss, lo, hi, softcap, nsplit, chunk, block,
                NULL, NULL, NULL, BH * nsplit, nthreads};
     if (J.nthreads > J.ntasks) J.nthreads = (int)J.ntasks;
     const int own = nsplit > 1;
-    J.po = own ? (float *)malloc(sizeof(float) * J.ntasks * R * Dv) : out;
+    /* partial outputs 64-byte aligned: a 512-bit accumulator split over two cache lines
+     * defeats store-to-load forwarding in the loops that update it */
+    void *po_raw = own ? malloc(sizeof(float) * J.ntasks * R * Dv + 64) : NULL;
+    J.po = own ? (po_raw ? (float *)(((uintptr_t)po_raw + 63) & ~(uintptr_t)63) : NULL) : out;
     J.pm = (float *)malloc(sizeof(float) * J.ntasks * R);
     J.pl = (double *)malloc(sizeof(double) * J.ntasks * R);
     int err = (!J.po || !J.pm || !J.pl);
@@ -732,7 +866,7 @@ int treeattn_decode(const float *q, const void *k, const void *v, int dtype, int
                 }
             }
     }
-    if (own) free(J.po);
+    free(po_raw);
     free(J.pm);
     free(J.pl);
     return err ? 1 : 0;

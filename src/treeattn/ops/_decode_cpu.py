@@ -111,7 +111,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
             continue
         f = lib.treeattn_decode
         i64, vp = ctypes.c_int64, ctypes.c_void_p
-        f.argtypes = [vp, vp, vp, ctypes.c_int] + [i64] * 12 + [vp, vp, ctypes.c_float, ctypes.c_int, i64, i64, vp, vp]
+        f.argtypes = [vp, vp, ctypes.c_float, vp, vp, ctypes.c_int] + [i64] * 12 + [vp, vp, ctypes.c_float, ctypes.c_int, i64, i64, vp, vp]
         f.restype = ctypes.c_int
         return lib, f"{so} ({cc} {' '.join(flags)})"
     return None, "build failed: " + " | ".join(errors)
@@ -182,6 +182,9 @@ def decode_cpu(
     if v.stride(-1) != 1 or min(v.stride()) < 0:
         v = v.contiguous()
     q32 = (qg.to(torch.float32) * float(scale)).contiguous()
+    # bf16 queries also go in as they are (exact): with AVX512-BF16 the kernel's dot products
+    # take bf16 pairs directly and apply the scale to the float32 scores
+    qb = qg.contiguous() if qg.dtype == torch.bfloat16 and k.dtype == torch.bfloat16 else None
     lo_, hi_ = _rows(lo, B, R), _rows(hi, B, R)
     out = torch.empty(B, H, R, Dv, dtype=torch.float32)
     lse = torch.empty(B, H, R, dtype=torch.float32)
@@ -191,7 +194,7 @@ def decode_cpu(
     cap = float(softcap) if softcap else 0.0
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     rc = lib.treeattn_decode(
-        ptr(q32), ptr(k), ptr(v), _DTYPES[k.dtype], B, H, R, S, D, Dv,
+        ptr(q32), ptr(qb), float(scale), ptr(k), ptr(v), _DTYPES[k.dtype], B, H, R, S, D, Dv,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         ptr(lo_), ptr(hi_), cap, nt, _BLOCK, _MIN_SPLIT, ptr(out), ptr(lse),
     )  # fmt: skip
