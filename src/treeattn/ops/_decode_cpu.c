@@ -689,17 +689,23 @@ static inline __attribute__((always_inline)) void run_task_fast_x(const job_t *J
             const int64_t ss = 2 * BS;
             int64_t i = 0;
 #ifdef HAVE_BF16DP
-            if (bf && J->qb && r4 == R && D % 32 == 0 && BS % 2 == 0) {
+            if (bf && J->qb && D % 32 == 0 && BS % 2 == 0) {
+                /* rows beyond the last run of 4 take the float32-query path, key by key */
                 uint16_t *pb = (uint16_t *)(sbuf + 2 * BS * (R + 1));
                 const uint16_t *qb = J->qb + bh * R * D;
                 const int64_t np = nk < nv ? nk : nv;
                 if (np >= 2)
-                    for (int64_t r = 0; r < R; r++) weights_bf16(sc + r * ss, np, pb + r * BS, pb + (R + r) * BS);
-                for (; i + 2 <= np; i += 2)
-                    for (int64_t r = 0; r < R; r += 4)
+                    for (int64_t r = 0; r < r4; r++) weights_bf16(sc + r * ss, np, pb + r * BS, pb + (R + r) * BS);
+                for (; i + 2 <= np; i += 2) {
+                    for (int64_t r = 0; r < r4; r += 4)
                         dp2_r4_bf(qb + r * D, D, K + i * kst, kst, D, J->scale, sn + r * ss + i, ss, acc + r * Dv, Dv,
                                   V + i * vst, vst, (const uint32_t *)(pb + r * BS + i),
                                   (const uint32_t *)(pb + (R + r) * BS + i), BS / 2);
+                    for (int64_t r = r4; r < R; r++)
+                        for (int64_t j = i; j < i + 2; j++)
+                            dot_axpy1_x(q + r * D, K + j * kst, D, sn + r * ss + j, acc + r * Dv, V + j * vst, Dv,
+                                        sc[r * ss + j], bf);
+                }
             }
 #endif
             if (r4 == R && bf) /* float32: two interleaved rows stream slower than one */
@@ -784,6 +790,18 @@ static void *worker(void *arg) {
     free(sbuf);
     free(ivs);
     return NULL;
+}
+
+/* Which fast paths this build has: bit 0 AVX2+FMA, bit 1 AVX512-BF16 (bf16 dot products). */
+int treeattn_features(void) {
+    int f = 0;
+#ifdef HAVE_AVX2
+    f |= 1;
+#endif
+#ifdef HAVE_BF16DP
+    f |= 2;
+#endif
+    return f;
 }
 
 /* Returns 0 on success, 1 on allocation failure, 2 on bad arguments. */

@@ -33,7 +33,7 @@ from torch import Tensor
 from .._host import cache_root
 from .state import empty_state, merge_states
 
-__all__ = ["decode_cpu", "decode_torch", "kernel_available", "kernel_info"]
+__all__ = ["decode_cpu", "decode_torch", "kernel_available", "kernel_features", "kernel_info"]
 
 _SRC = Path(__file__).with_name("_decode_cpu.c")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -111,10 +111,29 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
             continue
         f = lib.treeattn_decode
         i64, vp = ctypes.c_int64, ctypes.c_void_p
-        f.argtypes = [vp, vp, ctypes.c_float, vp, vp, ctypes.c_int] + [i64] * 12 + [vp, vp, ctypes.c_float, ctypes.c_int, i64, i64, vp, vp]
+        f.argtypes = (
+            [vp, vp, ctypes.c_float, vp, vp, ctypes.c_int]
+            + [i64] * 12
+            + [vp, vp, ctypes.c_float, ctypes.c_int, i64, i64, vp, vp]
+        )
         f.restype = ctypes.c_int
-        return lib, f"{so} ({cc} {' '.join(flags)})"
+        lib.treeattn_features.restype = ctypes.c_int
+        feats = _features(lib)
+        return lib, f"{so} ({cc} {' '.join(flags)}; {', '.join(feats) or 'portable C'})"
     return None, "build failed: " + " | ".join(errors)
+
+
+def _features(lib: ctypes.CDLL) -> list[str]:
+    bits = lib.treeattn_features()
+    return [name for bit, name in ((1, "avx2"), (2, "avx512bf16")) if bits & bit]
+
+
+def kernel_features() -> frozenset[str]:
+    """Fast paths of the loaded kernel: ``"avx2"`` (float32/bfloat16, AVX2+FMA) and
+    ``"avx512bf16"`` (bfloat16 queries and K/V with AVX512-BF16 dot products); empty when the
+    PyTorch fallback is in use."""
+    lib = _lib()
+    return frozenset(_features(lib)) if lib is not None else frozenset()
 
 
 def _lib() -> ctypes.CDLL | None:

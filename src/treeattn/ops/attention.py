@@ -239,6 +239,8 @@ def _attention(
 # Largest rows per KV head (G * Tq) for which auto picks decode_cpu, per dtype (measured,
 # see _pick_backend): past these flash_cpu's GEMM blocking wins.
 _DECODE_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 16, torch.float16: 128}
+# bfloat16 when the kernel has AVX512-BF16 dot products (bf16 q and K/V, D = Dv, D % 32 == 0)
+_DECODE_MAX_ROWS_BF16DP = 128
 
 
 def _pick_backend(q: Tensor, k: Tensor, v: Tensor) -> str:
@@ -250,12 +252,21 @@ def _pick_backend(q: Tensor, k: Tensor, v: Tensor) -> str:
     #   fp32   4.01   2.53  1.74  1.57  1.07  0.83  0.90
     #   bf16   8.98   1.93  1.80  1.20  0.95  1.00  1.04   (after the 2-key bf16 4-row path)
     #   fp16   5.40   5.50  2.46  2.50  1.90  1.87  1.96   (flash_cpu is slow in fp16)
+    #   bf16 with AVX512-BF16 (another EPYC VM, loadavg ~0.9, 2026-11-23):
+    #          8.98   2.45  2.41  1.99  1.35  1.43  1.27
     # flash_cpu: at least as fast as the grouped matmul path in float32/float64 and much
     # faster in half precision, where the matmul path upcasts K/V chunks to float32.
     # CUDA: the fused kernels (flash-attn / aten flash / mem-efficient) when available.
     if q.device.type == "cpu":
         rows = (q.shape[1] // k.shape[1]) * q.shape[2]
-        if rows <= _DECODE_MAX_ROWS.get(q.dtype, 0):
+        limit = _DECODE_MAX_ROWS.get(q.dtype, 0)
+        dp_shape = q.shape[3] % 32 == 0 and v.shape[3] == q.shape[3]
+        if q.dtype == k.dtype == torch.bfloat16 and dp_shape and limit < rows <= _DECODE_MAX_ROWS_BF16DP:
+            from ._decode_cpu import kernel_features
+
+            if "avx512bf16" in kernel_features():
+                limit = _DECODE_MAX_ROWS_BF16DP
+        if rows <= limit:
             return "decode_cpu"
         if v.shape[3] == q.shape[3]:
             return "flash_cpu"
