@@ -221,3 +221,34 @@ def test_portable_build_without_native_flags(monkeypatch):
         kv_lens = torch.tensor([200, 31])
         out, lse = attention_with_lse(q, k, v, kv_lens=kv_lens, causal=causal, backend="decode_cpu")
         assert_within_tolerance(out, lse, q, k, v, kv_lens=kv_lens, causal=causal)
+
+
+@pytest.mark.parametrize("R", [4, 6, 8, 12])
+def test_bf16_queries_keep_float32_accuracy(R):
+    """bf16 q with bf16 K/V (the AVX512-BF16 path where the CPU has it, else AVX2): the float32
+    output stays float32-accurate (the weights go in as hi + lo bf16 pairs); rounding them to
+    one bf16 each would give errors around 1e-4 here."""
+    g = torch.Generator().manual_seed(R)
+    B, H, S, D = 2, 2, 1000, 128
+    qg = (torch.randn(B, H, R, D, generator=g) * 2).to(torch.bfloat16)
+    k = torch.randn(B, H, S, D, generator=g).to(torch.bfloat16)
+    v = torch.randn(B, H, S, D, generator=g).to(torch.bfloat16)
+    lo = torch.tensor([[0] * R, [5] * R])
+    hi = torch.tensor([[S] * R, [S - 7 - r for r in range(R)]])  # uniform rows, then ragged ones
+    ref_o, ref_l = ref_rows(qg, k, v, D**-0.5, lo, hi, None)
+    for q in (qg, qg.float()):  # bf16 q (dot products on bf16 pairs), float32 q (widened K)
+        out, lse = decode_cpu(q, k, v, D**-0.5, lo, hi)
+        assert (out.double() - ref_o).abs().max() < 1e-5, DC.kernel_features()
+        assert (lse.double() - ref_l).abs().max() < 2e-5
+
+
+def test_auto_bf16_row_limit_follows_kernel_features(monkeypatch):
+    from treeattn.ops.attention import _DECODE_MAX_ROWS_BF16DP, _pick_backend
+
+    q, k, v = make(1, 2, 64, 1, 10, 128, torch.bfloat16)  # 64 rows per KV head
+    monkeypatch.setattr(DC, "kernel_features", lambda: frozenset({"avx2", "avx512bf16"}))
+    assert _pick_backend(q, k, v) == "decode_cpu"
+    assert _pick_backend(*make(1, 2, 64, 1, 10, 80, torch.bfloat16)) == "flash_cpu"  # D % 32 != 0
+    assert _pick_backend(*make(1, 1, 2 * _DECODE_MAX_ROWS_BF16DP, 1, 10, 128, torch.bfloat16)) == "flash_cpu"
+    monkeypatch.setattr(DC, "kernel_features", lambda: frozenset({"avx2"}))
+    assert _pick_backend(q, k, v) == "flash_cpu"
