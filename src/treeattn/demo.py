@@ -16,7 +16,7 @@ def worker(seq: int, heads: int, kv_heads: int, dim: int, dtype: str, reps: int,
     p = dist.get_world_size()
     print(
         f"treeattn demo: p={p} ranks (gloo, 1 thread each), {seq:,} tokens (~{seq // p:,} per rank), "
-        f"q {heads} heads, kv {kv_heads} heads x {dim}, {dtype}, B=1, Tq=1, {reps} steps after {warmup} warm-up"
+        f"q {heads} heads, kv {kv_heads} heads x {dim}, {dtype}, B=1, Tq=1, {reps} steps of each method in turn after {warmup} warm-up"
     )
     print("\n| method | median ms | p10-p90 ms | max err vs float64 | bytes sent/rank/step | collectives + p2p |")
     print("|---|---|---|---|---|---|")

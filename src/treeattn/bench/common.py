@@ -47,6 +47,27 @@ def timed(fn: Callable[[], object], reps: int, warmup: int, group=None) -> list[
     return ts.tolist()
 
 
+def timed_interleaved(
+    fns: dict[str, Callable[[], object]], reps: int, warmup: int, group=None
+) -> dict[str, list[float]]:
+    """:func:`timed` for several functions, one step of each in turn per repetition, so that
+    a change in the machine's load (shared hosts drift over seconds) hits all of them alike."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    ts = torch.empty(len(fns), reps, dtype=torch.float64)
+    for i in range(reps):
+        for j, fn in enumerate(fns.values()):
+            if dist.is_initialized():
+                dist.barrier(group)
+            t0 = time.perf_counter()
+            fn()
+            ts[j, i] = time.perf_counter() - t0
+    if dist.is_initialized():
+        dist.all_reduce(ts, op=dist.ReduceOp.MAX, group=group)
+    return {name: ts[j].tolist() for j, name in enumerate(fns)}
+
+
 def summarize(ts: list[float]) -> dict[str, float]:
     s = sorted(ts)
     q = lambda f: s[round(f * (len(s) - 1))]  # noqa: E731

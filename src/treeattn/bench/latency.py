@@ -14,7 +14,7 @@ from ..comm.strategies import auto_model, choose_strategy
 from ..comm.topology import Topology
 from ..ops.attention import _attention
 from ..parallel import ring_decode, tree_decode
-from .common import make_shard, shard_sizes, summarize, timed
+from .common import make_shard, shard_sizes, summarize, timed, timed_interleaved
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STRATS = ("allreduce3", "allreduce2", "allgather", "hierarchical", "auto")
@@ -46,7 +46,7 @@ def measure(cfg: dict, seq: int) -> tuple[list[dict], dict]:
     for s in STRATS:
         methods[f"tree {s}"] = lambda s=s: tree_decode(q, k, v, strategy=s, check=False)
     methods["ring"] = lambda: ring_decode(q, k, v, check=False)
-    rows = []
+    rows, seen = [], {}
     base = {"p": p, "seq": seq, "batch": B, "heads": H, "kv_heads": Hkv, "dim": D, "dtype": cfg["dtype"]}
     for name, fn in methods.items():
         with comm.metering() as m:
@@ -55,9 +55,11 @@ def measure(cfg: dict, seq: int) -> tuple[list[dict], dict]:
         err = None
         if ref_o is not None and name != "local":
             err = (out.double() - ref_o).abs().max().item()
-        ts = timed(fn, cfg["reps"], cfg["warmup"])
+        seen[name] = (m, err)
+    times = timed_interleaved(methods, cfg["reps"], cfg["warmup"])  # methods side by side, step by step
+    for name, (m, err) in seen.items():
         rows.append(
-            {"method": name, **base, **summarize(ts), "bytes_sent": m.bytes_sent, "collectives": m.collectives,
+            {"method": name, **base, **summarize(times[name]), "bytes_sent": m.bytes_sent, "collectives": m.collectives,
              "p2p_sends": m.calls.get("send", 0), "max_err": err}
         )  # fmt: skip
     if cfg["single"]:
