@@ -66,3 +66,16 @@ def test_e2e_quick(tmp_path):
     _, rows = run_bench("e2e", tmp_path)
     assert {r["attention"] for r in rows} == {"tree", "ring"}
     assert all(r["ttft_s"] > 0 and r["decode_s_per_token"] > 0 for r in rows)
+
+
+def test_timed_interleaved_runs_methods_in_turn():
+    import time
+
+    from treeattn.bench.common import timed_interleaved
+
+    calls = []
+    fns = {"slow": lambda: (calls.append("slow"), time.sleep(0.004)), "fast": lambda: calls.append("fast")}
+    ts = timed_interleaved(fns, reps=3, warmup=1)
+    assert calls == ["slow", "fast"] * 4  # warm-up, then one step of each per repetition
+    assert set(ts) == {"slow", "fast"} and all(len(v) == 3 for v in ts.values())
+    assert min(ts["slow"]) >= 0.004 > max(ts["fast"])
