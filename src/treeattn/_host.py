@@ -1,8 +1,10 @@
-"""Host facts shared across layers: memory (Linux /proc) and treeattn's cache directory."""
+"""Host facts shared across layers: memory (Linux /proc, huge pages) and treeattn's cache directory."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -45,3 +47,42 @@ def peak_memory_bytes(device: torch.device | str = "cpu") -> int:
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+_MADV_HUGEPAGE = 14  # Linux <asm-generic/mman-common.h>
+_HUGE_MIN_BYTES = 4 << 20
+_libc: list = []
+
+
+def _madvise_huge(addr: int, nbytes: int) -> bool:
+    if not _libc:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            libc.madvise.restype = ctypes.c_int
+            _libc.append(libc)
+        except (OSError, AttributeError):
+            _libc.append(None)
+    if _libc[0] is None:
+        return False
+    page = 4096
+    start, end = (addr + page - 1) // page * page, (addr + nbytes) // page * page
+    return end > start and _libc[0].madvise(start, end - start, _MADV_HUGEPAGE) == 0
+
+
+def empty_huge(*shape: int, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
+    """``torch.empty(*shape, dtype=dtype, device=device)``; on Linux CPU tensors of 4 MiB or
+    more, before any page is touched, the kernel is asked (``madvise(MADV_HUGEPAGE)``) to back
+    the memory with 2 MiB transparent huge pages. Decode attention streams the whole KV cache
+    every step, and with 4 KiB pages TLB misses cost about a third of one core's read
+    bandwidth (docs/benchmarks.md, "Decode kernel"). Without THP (``never``) or off Linux this
+    is plain ``torch.empty``; the advice changes nothing but the page size."""
+    t = torch.empty(*shape, dtype=dtype, device=device)
+    if t.device.type == "cpu" and t.nbytes >= _HUGE_MIN_BYTES and sys.platform.startswith("linux"):
+        _madvise_huge(t.data_ptr(), t.nbytes)
+    return t
+
+
+def huge_page_bytes() -> int:
+    """Bytes of this process's anonymous memory backed by transparent huge pages (Linux), else 0."""
+    return _proc_kib("/proc/self/smaps_rollup", "AnonHugePages:") or 0

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .._host import empty_huge
+
 
 def shard_sizes(seq: int, p: int) -> list[int]:
     """Contiguous split of ``seq`` tokens over ``p`` ranks (the first ``seq % p`` get one more)."""
@@ -25,8 +27,10 @@ def shard_sizes(seq: int, p: int) -> list[int]:
 def make_shard(r: int, size: int, heads: int, dim: int, dtype: torch.dtype, batch: int = 1):
     """Rank ``r``'s K/V shard ``[batch, heads, size, dim]``, reproducible from ``r`` alone."""
     g = torch.Generator().manual_seed(1000 + r)
-    k = torch.randn(batch, heads, size, dim, generator=g).to(dtype)
-    v = torch.randn(batch, heads, size, dim, generator=g).to(dtype)
+    shape = (batch, heads, size, dim)
+    # on huge pages where the host allows, as ShardedKVCache allocates its buffers
+    k = empty_huge(*shape, dtype=dtype).copy_(torch.randn(*shape, generator=g))
+    v = empty_huge(*shape, dtype=dtype).copy_(torch.randn(*shape, generator=g))
     return k, v
 
 

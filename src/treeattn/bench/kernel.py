@@ -2,7 +2,9 @@
 
 Floor = (K + V bytes in their own dtype) / (this machine's single-thread read bandwidth),
 the bandwidth measured with a read-only reduction (``torch.sum`` over a 512 MiB float32
-buffer). On a shared machine the load drifts, so every timed call is paired with a bandwidth
+buffer). K, V and that buffer sit on the same kind of pages: 2 MiB transparent huge pages
+where the host allows (as :class:`~treeattn.ShardedKVCache` allocates), 4 KiB pages with
+``--small-pages``; the header says how much of the floor buffer got huge pages. On a shared machine the load drifts, so every timed call is paired with a bandwidth
 measurement taken just before it: % of floor is the median over reps of (floor from that
 rep's bandwidth) / (that rep's time); ms is the median time. Per dtype x heads x S: ms, GB/s and % of the floor for every
 backend (1 thread) and for decode_cpu with ``--threads`` threads, median of ``--reps``.
@@ -17,6 +19,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from .._host import empty_huge, huge_page_bytes
 
 K = 1024
 
@@ -61,10 +65,14 @@ def run(a) -> int:
 
     torch.set_num_threads(1)
     load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else ["?"] * 3
-    buf = torch.ones(512 * (1 << 20) // 4)
+    alloc = (lambda *s, dtype: torch.empty(*s, dtype=dtype)) if a.small_pages else empty_huge  # noqa: E731
+    h0 = huge_page_bytes()
+    buf = alloc(512 * (1 << 20) // 4, dtype=torch.float32).fill_(1.0)
+    pages = f"huge pages {(huge_page_bytes() - h0) >> 20} of 512 MiB" if not a.small_pages else "4 KiB pages"
     bw = read_bandwidth(buf=buf)
     print(
-        f"read bandwidth (1 thread, torch.sum) {bw / 1e9:.1f} GB/s; loadavg {' '.join(load)}; torch {torch.__version__}"
+        f"read bandwidth (1 thread, torch.sum) {bw / 1e9:.1f} GB/s ({pages}); loadavg {' '.join(load)}; "
+        f"torch {torch.__version__}"
     )
     print(f"decode_cpu kernel: {kernel_info()}\n")
     seqs = [4 * K, 16 * K, 64 * K] if a.quick else a.seq
@@ -79,8 +87,8 @@ def run(a) -> int:
             for S in seqs:
                 g = torch.Generator().manual_seed(S)
                 q = torch.randn(1, hq, 1, a.dim, generator=g).to(dtype)
-                k = torch.randn(1, hkv, S, a.dim, generator=g).to(dtype)
-                v = torch.randn(1, hkv, S, a.dim, generator=g).to(dtype)
+                k = alloc(1, hkv, S, a.dim, dtype=dtype).copy_(torch.randn(1, hkv, S, a.dim, generator=g))
+                v = alloc(1, hkv, S, a.dim, dtype=dtype).copy_(torch.randn(1, hkv, S, a.dim, generator=g))
                 nbytes = 2 * k.numel() * k.element_size()
                 cells, bws = [], []
                 for b in cols:
@@ -149,6 +157,9 @@ def add_parser(bs) -> None:
     p.add_argument("--backends", nargs="+", default=["torch", "flash_cpu", "decode_cpu"])
     p.add_argument("--threads", type=int, default=2, help="threads for the extra decode_cpu column")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument(
+        "--small-pages", action="store_true", help="K/V and the floor buffer on 4 KiB pages (default: huge pages)"
+    )
     p.add_argument("--csv", default=None, help="write the rows to this CSV file")
     p.add_argument("--plot", default=None, help="write a PNG plot (needs matplotlib)")
     p.set_defaults(func=run)

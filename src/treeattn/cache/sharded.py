@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .._host import empty_huge
 from ..comm.collectives import world
 from ..comm.validate import agree
 from .placement import PLACEMENTS, Placement
@@ -111,8 +112,8 @@ class ShardedKVCache:
         cap = max(need, 2 * self.cap, 16)
         shape = (self.B, self.Hkv, cap)
         for i in range(self.num_layers):
-            k = torch.empty(*shape, self.D, dtype=self.dtype, device=self.device)
-            v = torch.empty(*shape, self.Dv, dtype=self.dtype, device=self.device)
+            k = empty_huge(*shape, self.D, dtype=self.dtype, device=self.device)  # streamed every step
+            v = empty_huge(*shape, self.Dv, dtype=self.dtype, device=self.device)
             if self.cap:
                 k[:, :, : self.cap] = self.k[i]
                 v[:, :, : self.cap] = self.v[i]
