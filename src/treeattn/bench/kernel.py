@@ -3,7 +3,7 @@
 Floor = (K + V bytes in their own dtype) / (this machine's single-thread read bandwidth),
 the bandwidth measured with a read-only reduction (``torch.sum`` over a 512 MiB float32
 buffer). K, V and that buffer sit on the same kind of pages: 2 MiB transparent huge pages
-where the host allows (as :class:`~treeattn.ShardedKVCache` allocates), 4 KiB pages with
+where the host allows (as :class:`~treeattn.cache.ShardedKVCache` allocates), 4 KiB pages with
 ``--small-pages``; the header says how much of the floor buffer got huge pages. On a shared machine the load drifts, so every timed call is paired with a bandwidth
 measurement taken just before it: % of floor is the median over reps of (floor from that
 rep's bandwidth) / (that rep's time); ms is the median time. Per dtype x heads x S: ms, GB/s and % of the floor for every

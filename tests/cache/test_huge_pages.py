@@ -1,0 +1,36 @@
+"""The KV cache asks for 2 MiB transparent huge pages (decode streams it every step)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from treeattn._host import empty_huge, huge_page_bytes
+from treeattn.cache import ShardedKVCache
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def thp_mode() -> str | None:
+    if not sys.platform.startswith("linux") or not THP.exists():
+        return None
+    return THP.read_text().split("[")[1].split("]")[0]
+
+
+def test_empty_huge_is_an_empty_tensor():
+    for shape, dtype in [((3, 5), torch.float32), ((2, 1 << 20), torch.bfloat16), ((0,), torch.float16)]:
+        t = empty_huge(*shape, dtype=dtype)
+        assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"
+        t.fill_(1.5)
+        assert bool((t == 1.5).all())
+
+
+@pytest.mark.skipif(thp_mode() not in ("always", "madvise"), reason=f"transparent huge pages: {thp_mode()}")
+def test_cache_buffers_on_huge_pages():
+    h0 = huge_page_bytes()
+    cache = ShardedKVCache(2, 1, 4, 128, dtype=torch.bfloat16, capacity=65536)  # 2 x 2 x 64 MiB
+    for t in cache.k + cache.v:
+        t.zero_()  # first touch: the kernel backs the advised ranges with 2 MiB pages
+    got = huge_page_bytes() - h0
+    assert got >= cache.memory_bytes()["allocated"] // 2, (got, cache.memory_bytes())
