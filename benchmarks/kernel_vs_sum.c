@@ -1,4 +1,4 @@
-#define _ISOC11_SOURCE
+#define _GNU_SOURCE
 /* The decode kernel (src/treeattn/ops/_decode_cpu.c) called directly from C, against plain
  * read-only sums over memory, without Python in between. Each repetition first sums a 256 MiB
  * float32 buffer (which also evicts K/V from the caches), then runs the kernel once; the report
@@ -6,15 +6,17 @@
  *
  *   gcc -O3 -march=native -fopenmp-simd -std=gnu11 benchmarks/kernel_vs_sum.c \
  *       src/treeattn/ops/_decode_cpu.c -o /tmp/kernel_vs_sum -lm -lpthread
- *   /tmp/kernel_vs_sum [dtype f32|bf16] [Hkv] [rows per KV head] [S] [reps] [threads]
+ *   /tmp/kernel_vs_sum [dtype f32|bf16] [Hkv] [rows per KV head] [S] [reps] [threads] [pages huge|4k]
  *
  * B = 1, D = Dv = 128, bf16 queries for bf16 K/V (the AVX512-BF16 path where the CPU has it).
  * Two sums are reported: one stream (`omp simd` over the buffer) and two streams (K-sized and
- * V-sized halves read side by side, as the kernel reads K and V). */
+ * V-sized halves read side by side, as the kernel reads K and V). K, V and the sum buffer are
+ * on 2 MiB transparent huge pages (madvise, as treeattn's KV cache) unless pages = 4k. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 
 int treeattn_decode(const float *q, const uint16_t *qb, float scale, const void *k, const void *v, int dtype,
@@ -49,7 +51,10 @@ int main(int argc, char **argv) {
     const int nth = argc > 6 ? atoi(argv[6]) : 1;
     if (reps > 64) reps = 64;
     const size_t el = bf ? 2 : 4, nkv = (size_t)H * S * D;
-    char *k = aligned_alloc(64, nkv * el), *v = aligned_alloc(64, nkv * el);
+    const int huge = !(argc > 7 && !strcmp(argv[7], "4k"));
+    const size_t kvb = (nkv * el + (2u << 20) - 1) / (2u << 20) * (2u << 20);
+    char *k = aligned_alloc(2u << 20, kvb), *v = aligned_alloc(2u << 20, kvb);
+    if (huge && k && v) madvise(k, kvb, MADV_HUGEPAGE), madvise(v, kvb, MADV_HUGEPAGE);
     float *q = aligned_alloc(64, 4 * H * R * D), *out = aligned_alloc(64, 4 * H * R * D), *lse = malloc(4 * H * R);
     uint16_t *qb = aligned_alloc(64, 2 * H * R * D);
     if (!k || !v || !q || !out || !lse || !qb) return 1;
@@ -69,7 +74,9 @@ int main(int argc, char **argv) {
         q[i] *= scale;
     }
     const size_t n = (size_t)64 << 20; /* 256 MiB */
-    float *x = aligned_alloc(64, n * 4);
+    float *x = aligned_alloc(2u << 20, n * 4);
+    if (!x) return 1;
+    if (huge) madvise(x, n * 4, MADV_HUGEPAGE);
     for (size_t i = 0; i < n; i++) x[i] = (float)(i & 7);
     const double bytes = 2.0 * nkv * el;
     double kgb[64], r1[64], r2[64], s1[64], s2[64];
@@ -91,9 +98,9 @@ int main(int argc, char **argv) {
         s1[r] = n * 4.0 / (t1 - t0) / 1e9, s2[r] = n * 4.0 / (t2 - t1) / 1e9, kgb[r] = bytes / (t3 - t2) / 1e9;
         r1[r] = kgb[r] / s1[r], r2[r] = kgb[r] / s2[r];
     }
-    printf("%s Hkv=%ld rows=%ld S=%ld threads=%d: kernel %.1f GB/s | sum 1 stream %.1f GB/s (kernel %.0f%%) | "
+    printf("%s Hkv=%ld rows=%ld S=%ld threads=%d %s: kernel %.1f GB/s | sum 1 stream %.1f GB/s (kernel %.0f%%) | "
            "sum 2 streams %.1f GB/s (kernel %.0f%%)%s\n",
-           bf ? "bf16" : "f32", (long)H, (long)R, (long)S, nth, median(kgb, reps), median(s1, reps),
+           bf ? "bf16" : "f32", (long)H, (long)R, (long)S, nth, huge ? "huge pages" : "4k pages", median(kgb, reps), median(s1, reps),
            100 * median(r1, reps), median(s2, reps), 100 * median(r2, reps), sink == 1.0f ? " " : "");
     return 0;
 }
