@@ -2,6 +2,7 @@
 
 Nothing here imports ``torch.distributed``."""
 
+from ._decode_cpu import kernel_features, kernel_info
 from .attention import BACKENDS, attention_with_lse, check_attention_inputs
 from .state import empty_state, merge_states, merge_states_n, normalize_lse
 
@@ -10,6 +11,8 @@ __all__ = [
     "attention_with_lse",
     "check_attention_inputs",
     "empty_state",
+    "kernel_features",
+    "kernel_info",
     "merge_states",
     "merge_states_n",
     "normalize_lse",
