@@ -8,8 +8,10 @@
  * time with each K and V row read sequentially, so two sequential streams (K and V) are in
  * flight together; measured here, interleaving 4 rows at once or one phase at a time
  * reached only about half the read bandwidth.  bf16 is widened in registers (a 16-bit
- * shift); runs of 4 rows with the same key range share each K/V load.  Generic path (fp16,
- * other head dims, no AVX2): blocks converted to float32 in L1, then plain loops.
+ * shift); runs of 4 rows with the same key range share each K/V load.  With AVX512-BF16 and
+ * bf16 queries (qb), such runs take vdpbf16ps for the scores and, two keys at a time, for
+ * the values (dp2_r4_bf).  Generic path (fp16, other head dims, no AVX2): blocks converted
+ * to float32 in L1, then plain loops.
  * Built on first use by _decode_cpu.py (gcc -O3 -march=native -fopenmp-simd). */
 #include <math.h>
 #include <pthread.h>
@@ -482,11 +484,6 @@ static inline __attribute__((always_inline)) void dot_axpy2_r4_x(const float *q,
 #ifndef PF_BF
 #define PF_BF 2048
 #endif
-/* bfloat16 with AVX512-BF16, 4 query rows that see the same keys k0, k1 (D % 32 == 0, D == Dv):
- * vdpbf16ps multiplies bf16 pairs and accumulates in float32, so the scores need no widening
- * of K (q is bf16 already) and the values take two keys per instruction with the weights
- * rounded to bf16 pairs, as flash-attn does for P.V on GPUs. s[r*ss + {0,1}] = scale * q_r.k_j;
- * o_r += p_r0 v0 + p_r1 v1 with pw[r*pws] = (bf16 p_r0) | (bf16 p_r1) << 16. */
 /* reduce 8 accumulators (rows 0-3 x keys 0-1) to scale * their sums, in s[r * ss + j] */
 static inline __attribute__((always_inline)) void hsum8x_r4(__m512 a00, __m512 a01, __m512 a10, __m512 a11, __m512 a20,
                                                             __m512 a21, __m512 a30, __m512 a31, float scale, float *s,
@@ -512,6 +509,12 @@ static inline __attribute__((always_inline)) void hsum8x_r4(__m512 a00, __m512 a
     _mm_storeh_pi((__m64 *)(s + 3 * ss), y1);
 }
 
+/* bfloat16 with AVX512-BF16, 4 query rows that see the same keys k0, k1 (D % 32 == 0, D == Dv):
+ * vdpbf16ps multiplies bf16 pairs and accumulates in float32, so the scores need no widening
+ * of K (q is bf16 already): s[r*ss + j] = scale * q_r.k_j. The values take two keys per
+ * instruction (v0, v1 interleaved in registers): o_r += p_r0 v0 + p_r1 v1 with each weight
+ * split into bf16 hi + lo (pw[r*pws] = hi(p_r0) | hi(p_r1) << 16, pl likewise), which keeps
+ * the float32 accuracy that one bf16 weight (flash-attn's choice for P.V on GPUs) would lose. */
 static inline __attribute__((always_inline)) void dp2_r4_bf(const uint16_t *q, int64_t qs, const char *k, int64_t ks,
                                                             int64_t D, float scale, float *s, int64_t ss, float *o,
                                                             int64_t os, const char *v, int64_t vs, const uint32_t *pw,
@@ -563,7 +566,8 @@ static inline __attribute__((always_inline)) void dp2_r4_bf(const uint16_t *q, i
     hsum8x_r4(a00, a01, a10, a11, a20, a21, a30, a31, scale, s, ss);
 }
 
-/* n weights to bf16 (round to nearest even), in place order: pairs (p_2i, p_2i+1) as uint32 */
+/* n weights to bf16 hi (nearest even) and lo (the remainder p - hi, to bf16), in order, so
+ * that keys 2i, 2i+1 form one uint32 pair */
 static inline void weights_bf16(const float *p, int64_t n, uint16_t *out, uint16_t *lo) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
@@ -808,11 +812,13 @@ int treeattn_features(void) {
     return f;
 }
 
-/* Returns 0 on success, 1 on allocation failure, 2 on bad arguments. */
-int treeattn_decode(const float *q, const uint16_t *qb, float scale, const void *k, const void *v, int dtype, int64_t B, int64_t H, int64_t R,
-                    int64_t S, int64_t D, int64_t Dv, int64_t ksb, int64_t ksh, int64_t kss, int64_t vsb,
-                    int64_t vsh, int64_t vss, const int64_t *lo, const int64_t *hi, float softcap, int nthreads,
-                    int64_t block, int64_t min_split, float *out, float *lse) {
+/* q: [B, H, R, D] float32 rows times the scale; qb: the same rows as bf16 without the scale
+ * (bf16 queries with bf16 K/V; NULL otherwise), scale: applied to the scores computed from qb.
+ * Returns 0 on success, 1 on allocation failure, 2 on bad arguments. */
+int treeattn_decode(const float *q, const uint16_t *qb, float scale, const void *k, const void *v, int dtype,
+                    int64_t B, int64_t H, int64_t R, int64_t S, int64_t D, int64_t Dv, int64_t ksb, int64_t ksh,
+                    int64_t kss, int64_t vsb, int64_t vsh, int64_t vss, const int64_t *lo, const int64_t *hi,
+                    float softcap, int nthreads, int64_t block, int64_t min_split, float *out, float *lse) {
     if (dtype < 0 || dtype > 2 || B < 0 || H < 0 || R < 0 || S < 0 || D <= 0 || Dv <= 0 || block <= 0)
         return 2;
     if (nthreads < 1) nthreads = 1;
@@ -830,8 +836,8 @@ int treeattn_decode(const float *q, const uint16_t *qb, float scale, const void 
     chunk = (chunk + block - 1) / block * block;
     if (chunk == 0) chunk = 1;
     nsplit = S ? (S + chunk - 1) / chunk : 1;
-    job_t J = {q, qb, scale, k, v, dtype, B, H, R, S, D, Dv, ksb, ksh, kss, vsb, vsh, vss, lo, hi, softcap, nsplit, chunk, block,
-               NULL, NULL, NULL, BH * nsplit, nthreads};
+    job_t J = {q, qb, scale, k, v, dtype, B, H, R, S, D, Dv, ksb, ksh, kss, vsb, vsh, vss, lo, hi, softcap,
+               nsplit, chunk, block, NULL, NULL, NULL, BH * nsplit, nthreads};
     if (J.nthreads > J.ntasks) J.nthreads = (int)J.ntasks;
     const int own = nsplit > 1;
     /* partial outputs 64-byte aligned: a 512-bit accumulator split over two cache lines
