@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import sys
 from pathlib import Path
@@ -49,12 +50,12 @@ def peak_memory_bytes(device: torch.device | str = "cpu") -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-_MADV_HUGEPAGE = 14  # Linux <asm-generic/mman-common.h>
+_MADV_HUGEPAGE, _MADV_NOHUGEPAGE = 14, 15  # Linux <asm-generic/mman-common.h>
 _HUGE_MIN_BYTES = 4 << 20
 _libc: list = []
 
 
-def _madvise_huge(addr: int, nbytes: int) -> bool:
+def _madvise(addr: int, nbytes: int, advice: int) -> bool:
     if not _libc:
         try:
             libc = ctypes.CDLL(None, use_errno=True)
@@ -65,21 +66,25 @@ def _madvise_huge(addr: int, nbytes: int) -> bool:
             _libc.append(None)
     if _libc[0] is None:
         return False
-    page = 4096
+    page = mmap.PAGESIZE
     start, end = (addr + page - 1) // page * page, (addr + nbytes) // page * page
-    return end > start and _libc[0].madvise(start, end - start, _MADV_HUGEPAGE) == 0
+    return end > start and _libc[0].madvise(start, end - start, advice) == 0
 
 
-def empty_huge(*shape: int, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
-    """``torch.empty(*shape, dtype=dtype, device=device)``; on Linux CPU tensors of 4 MiB or
-    more, before any page is touched, the kernel is asked (``madvise(MADV_HUGEPAGE)``) to back
-    the memory with 2 MiB transparent huge pages. Decode attention streams the whole KV cache
-    every step, and with 4 KiB pages TLB misses cost about a third of one core's read
-    bandwidth (docs/benchmarks.md, "Decode kernel"). Without THP (``never``) or off Linux this
-    is plain ``torch.empty``; the advice changes nothing but the page size."""
+def empty_huge(
+    *shape: int, dtype: torch.dtype, device: torch.device | str | None = None, huge: bool = True
+) -> torch.Tensor:
+    """``torch.empty(*shape, dtype=dtype, device=device)``; for Linux CPU tensors of 4 MiB or
+    more the kernel is asked (``madvise(MADV_HUGEPAGE)``) to back the memory with 2 MiB
+    transparent huge pages as it is first touched (pages the allocator reuses from freed
+    memory keep the size they have). Decode attention streams the whole KV cache every step,
+    and with 4 KiB pages TLB misses cost about a third of one core's read bandwidth
+    (docs/benchmarks.md, "Decode kernel"). Without THP (``never``) or off Linux this is plain
+    ``torch.empty``; the advice changes nothing but the page size. ``huge=False`` asks for
+    small pages instead (``MADV_NOHUGEPAGE``, for measurements)."""
     t = torch.empty(*shape, dtype=dtype, device=device)
     if t.device.type == "cpu" and t.nbytes >= _HUGE_MIN_BYTES and sys.platform.startswith("linux"):
-        _madvise_huge(t.data_ptr(), t.nbytes)
+        _madvise(t.data_ptr(), t.nbytes, _MADV_HUGEPAGE if huge else _MADV_NOHUGEPAGE)
     return t
 
 

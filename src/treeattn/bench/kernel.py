@@ -13,6 +13,7 @@ backend (1 thread) and for decode_cpu with ``--threads`` threads, median of ``--
 from __future__ import annotations
 
 import csv
+import functools
 import statistics
 import sys
 import time
@@ -65,10 +66,11 @@ def run(a) -> int:
 
     torch.set_num_threads(1)
     load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else ["?"] * 3
-    alloc = (lambda *s, dtype: torch.empty(*s, dtype=dtype)) if a.small_pages else empty_huge  # noqa: E731
+    alloc = functools.partial(empty_huge, huge=not a.small_pages)
     h0 = huge_page_bytes()
     buf = alloc(512 * (1 << 20) // 4, dtype=torch.float32).fill_(1.0)
-    pages = f"huge pages {(huge_page_bytes() - h0) >> 20} of 512 MiB" if not a.small_pages else "4 KiB pages"
+    asked = "4 KiB pages" if a.small_pages else "huge pages"
+    pages = f"asked for {asked}: {(huge_page_bytes() - h0) >> 20} of 512 MiB on huge pages"
     bw = read_bandwidth(buf=buf)
     print(
         f"read bandwidth (1 thread, torch.sum) {bw / 1e9:.1f} GB/s ({pages}); loadavg {' '.join(load)}; "

@@ -513,19 +513,24 @@ static inline __attribute__((always_inline)) void hsum8x_r4(__m512 a00, __m512 a
  * vdpbf16ps multiplies bf16 pairs and accumulates in float32, so the scores need no widening
  * of K (q is bf16 already): s[r*ss + j] = scale * q_r.k_j. The values take two keys per
  * instruction (v0, v1 interleaved in registers): o_r += p_r0 v0 + p_r1 v1 with each weight
- * split into bf16 hi + lo (pw[r*pws] = hi(p_r0) | hi(p_r1) << 16, pl likewise), which keeps
+ * split into bf16 hi + lo (pw[r*pws + {0,1}] = hi(p_r0), hi(p_r1); pl likewise), which keeps
  * the float32 accuracy that one bf16 weight (flash-attn's choice for P.V on GPUs) would lose. */
+/* two bf16 values p[0], p[1] broadcast as a pair to every 32-bit lane */
+static inline __m512bh pair_bf16(const uint16_t *p) {
+    uint32_t u;
+    memcpy(&u, p, 4);
+    return (__m512bh)_mm512_set1_epi32((int)u);
+}
+
 static inline __attribute__((always_inline)) void dp2_r4_bf(const uint16_t *q, int64_t qs, const char *k, int64_t ks,
                                                             int64_t D, float scale, float *s, int64_t ss, float *o,
-                                                            int64_t os, const char *v, int64_t vs, const uint32_t *pw,
-                                                            const uint32_t *pl, int64_t pws) {
+                                                            int64_t os, const char *v, int64_t vs, const uint16_t *pw,
+                                                            const uint16_t *pl, int64_t pws) {
     __m512 a00 = _mm512_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
-    const __m512bh w0 = (__m512bh)_mm512_set1_epi32((int)pw[0]), w1 = (__m512bh)_mm512_set1_epi32((int)pw[pws]),
-                   w2 = (__m512bh)_mm512_set1_epi32((int)pw[2 * pws]),
-                   w3 = (__m512bh)_mm512_set1_epi32((int)pw[3 * pws]);
-    const __m512bh l0 = (__m512bh)_mm512_set1_epi32((int)pl[0]), l1 = (__m512bh)_mm512_set1_epi32((int)pl[pws]),
-                   l2 = (__m512bh)_mm512_set1_epi32((int)pl[2 * pws]),
-                   l3 = (__m512bh)_mm512_set1_epi32((int)pl[3 * pws]);
+    const __m512bh w0 = pair_bf16(pw), w1 = pair_bf16(pw + pws), w2 = pair_bf16(pw + 2 * pws),
+                   w3 = pair_bf16(pw + 3 * pws);
+    const __m512bh l0 = pair_bf16(pl), l1 = pair_bf16(pl + pws), l2 = pair_bf16(pl + 2 * pws),
+                   l3 = pair_bf16(pl + 3 * pws);
     const __m512i ilo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
                                          5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
@@ -566,15 +571,15 @@ static inline __attribute__((always_inline)) void dp2_r4_bf(const uint16_t *q, i
     hsum8x_r4(a00, a01, a10, a11, a20, a21, a30, a31, scale, s, ss);
 }
 
-/* n weights to bf16 hi (nearest even) and lo (the remainder p - hi, to bf16), in order, so
- * that keys 2i, 2i+1 form one uint32 pair */
+/* n weights to bf16 hi (nearest even) and lo (the remainder p - hi, to bf16), in key order */
 static inline void weights_bf16(const float *p, int64_t n, uint16_t *out, uint16_t *lo) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
         const __m512 x = _mm512_loadu_ps(p + i);
         const __m256bh h = _mm512_cvtneps_pbh(x);
         _mm256_storeu_si256((__m256i *)(out + i), (__m256i)h);
-        _mm256_storeu_si256((__m256i *)(lo + i), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, _mm512_cvtpbh_ps(h))));
+        const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
+        _mm256_storeu_si256((__m256i *)(lo + i), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, hf)));
     }
     for (; i < n; i++) {
         uint32_t u;
@@ -697,7 +702,7 @@ static inline __attribute__((always_inline)) void run_task_fast_x(const job_t *J
             const int64_t ss = 2 * BS;
             int64_t i = 0;
 #ifdef HAVE_BF16DP
-            if (bf && J->qb && D % 32 == 0 && BS % 2 == 0) {
+            if (bf && J->qb && D % 32 == 0) {
                 /* rows beyond the last run of 4 take the float32-query path, key by key */
                 uint16_t *pb = (uint16_t *)(sbuf + 2 * BS * (R + 1));
                 const uint16_t *qb = J->qb + bh * R * D;
@@ -707,8 +712,7 @@ static inline __attribute__((always_inline)) void run_task_fast_x(const job_t *J
                 for (; i + 2 <= np; i += 2) {
                     for (int64_t r = 0; r < r4; r += 4)
                         dp2_r4_bf(qb + r * D, D, K + i * kst, kst, D, J->scale, sn + r * ss + i, ss, acc + r * Dv, Dv,
-                                  V + i * vst, vst, (const uint32_t *)(pb + r * BS + i),
-                                  (const uint32_t *)(pb + (R + r) * BS + i), BS / 2);
+                                  V + i * vst, vst, pb + r * BS + i, pb + (R + r) * BS + i, BS);
                     for (int64_t r = r4; r < R; r++)
                         for (int64_t j = i; j < i + 2; j++)
                             dot_axpy1_x(q + r * D, K + j * kst, D, sn + r * ss + j, acc + r * Dv, V + j * vst, Dv,

@@ -252,7 +252,8 @@ def _pick_backend(q: Tensor, k: Tensor, v: Tensor) -> str:
     #   fp32   4.01   2.53  1.74  1.57  1.07  0.83  0.90
     #   bf16   8.98   1.93  1.80  1.20  0.95  1.00  1.04   (after the 2-key bf16 4-row path)
     #   fp16   5.40   5.50  2.46  2.50  1.90  1.87  1.96   (flash_cpu is slow in fp16)
-    #   bf16 with AVX512-BF16 (another EPYC VM, loadavg ~0.9, 2026-11-23):
+    #   bf16 with AVX512-BF16 (the 2026-11-23 EPYC VM, loadavg ~0.9, mean of two sweeps; at 1
+    #   row both machines run the same AVX2 code):
     #          8.98   2.45  2.41  1.99  1.35  1.43  1.27
     # flash_cpu: at least as fast as the grouped matmul path in float32/float64 and much
     # faster in half precision, where the matmul path upcasts K/V chunks to float32.
