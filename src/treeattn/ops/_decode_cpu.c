@@ -207,6 +207,25 @@ static void load_block(float *restrict dst, const void *base, int dtype, int64_t
     }
 }
 
+/* start task [s0, s1) of one (b, h): running maxima -inf, denominators and accumulators 0;
+ * returns the union [*ulo, *uhi) of the rows' key ranges within the split (empty: ulo >= uhi) */
+static void task_start(int64_t R, int64_t S, int64_t Dv, const int64_t *lo, const int64_t *hi, int64_t s0, int64_t s1,
+                       float *mx, double *den, float *acc, int64_t *ulo, int64_t *uhi) {
+    *ulo = s1, *uhi = s0;
+    for (int64_t r = 0; r < R; r++) {
+        int64_t a = lo ? lo[r] : 0, e = hi ? hi[r] : S;
+        a = a < s0 ? s0 : a;
+        e = e > s1 ? s1 : e;
+        if (a < e) {
+            *ulo = a < *ulo ? a : *ulo;
+            *uhi = e > *uhi ? e : *uhi;
+        }
+        mx[r] = -INFINITY;
+        den[r] = 0.0;
+    }
+    memset(acc, 0, sizeof(float) * R * Dv);
+}
+
 static void run_task(const job_t *J, int64_t t, float *kbuf, float *vbuf, float *sbuf, int64_t *ivs) {
     const int64_t R = J->R, D = J->D, Dv = J->Dv, S = J->S, BS = J->block;
     const int64_t bh = t / J->nsplit, sp = t % J->nsplit, b = bh / J->H, h = bh % J->H;
@@ -218,19 +237,8 @@ static void run_task(const job_t *J, int64_t t, float *kbuf, float *vbuf, float 
     const char *vb = (const char *)J->v + (b * J->vsb + h * J->vsh) * elk;
     const int64_t *lo = J->lo ? J->lo + b * R : NULL, *hi = J->hi ? J->hi + b * R : NULL;
     int64_t s0 = sp * J->chunk, s1 = s0 + J->chunk < S ? s0 + J->chunk : S;
-    int64_t ulo = s1, uhi = s0; /* union of the rows' ranges within this task's split */
-    for (int64_t r = 0; r < R; r++) {
-        int64_t a = lo ? lo[r] : 0, e = hi ? hi[r] : S;
-        a = a < s0 ? s0 : a;
-        e = e > s1 ? s1 : e;
-        if (a < e) {
-            ulo = a < ulo ? a : ulo;
-            uhi = e > uhi ? e : uhi;
-        }
-        mx[r] = -INFINITY;
-        den[r] = 0.0;
-    }
-    memset(acc, 0, sizeof(float) * R * Dv);
+    int64_t ulo, uhi;
+    task_start(R, S, Dv, lo, hi, s0, s1, mx, den, acc, &ulo, &uhi);
     /* merged, sorted intervals of the rows' ranges within the split (for the converting loads) */
     int64_t niv = 0;
     for (int64_t r = 0; r < R; r++) {
@@ -644,19 +652,8 @@ static inline __attribute__((always_inline)) void run_task_fast_x(const job_t *J
     const char *vb = (const char *)J->v + (b * J->vsb + h * J->vsh) * el;
     const int64_t *lo = J->lo ? J->lo + b * R : NULL, *hi = J->hi ? J->hi + b * R : NULL;
     const int64_t s0 = sp * J->chunk, s1 = s0 + J->chunk < S ? s0 + J->chunk : S;
-    int64_t ulo = s1, uhi = s0;
-    for (int64_t r = 0; r < R; r++) {
-        int64_t a = lo ? lo[r] : 0, e = hi ? hi[r] : S;
-        a = a < s0 ? s0 : a;
-        e = e > s1 ? s1 : e;
-        if (a < e) {
-            ulo = a < ulo ? a : ulo;
-            uhi = e > uhi ? e : uhi;
-        }
-        mx[r] = -INFINITY;
-        den[r] = 0.0;
-    }
-    memset(acc, 0, sizeof(float) * R * Dv);
+    int64_t ulo, uhi;
+    task_start(R, S, Dv, lo, hi, s0, s1, mx, den, acc, &ulo, &uhi);
     if (ulo >= uhi) return;
     const int64_t nb = (uhi - ulo + BS - 1) / BS;
     const float cap = J->softcap;

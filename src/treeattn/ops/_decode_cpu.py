@@ -132,15 +132,17 @@ def kernel_features() -> frozenset[str]:
     """Fast paths of the loaded kernel: ``"avx2"`` (float32/bfloat16, AVX2+FMA) and
     ``"avx512bf16"`` (bfloat16 queries and K/V with AVX512-BF16 dot products); empty when the
     PyTorch fallback is in use."""
-    lib = _lib()
-    return frozenset(_features(lib)) if lib is not None else frozenset()
+    _lib()
+    return _state["features"]
 
 
 def _lib() -> ctypes.CDLL | None:
     if "lib" not in _state:
         with _lock:
             if "lib" not in _state:
-                _state["lib"], _state["info"] = _build()
+                lib, info = _build()
+                _state["features"] = frozenset(_features(lib)) if lib is not None else frozenset()
+                _state["lib"], _state["info"] = lib, info
     return _state["lib"]
 
 
