@@ -487,12 +487,23 @@ static inline __attribute__((always_inline)) void dot_axpy2_r4_x(const float *q,
 }
 
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__)
+#define HAVE_AVX512 1
+#if defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define HAVE_BF16DP 1
-#ifndef PF_BF
-#define PF_BF 2048
 #endif
-/* reduce 8 accumulators (rows 0-3 x keys 0-1) to scale * their sums, in s[r * ss + j] */
+/* Keys per group in the AVX-512 4-row path (measured from memory, docs/benchmarks.md §9):
+ * float32 reads each key's K row (scores) and V row (values of two rows) side by side in
+ * groups of 4; bfloat16 computes 16 keys' scores, then their values. Software prefetching
+ * and other group sizes measured slower here. */
+#ifndef GRP_F32
+#define GRP_F32 4
+#endif
+#ifndef GRP_BF16
+#define GRP_BF16 16
+#endif
+
+/* scale * horizontal sums of 8 accumulators (rows 0-3 x keys 0-1) into s[r * ss + j] */
 static inline __attribute__((always_inline)) void hsum8x_r4(__m512 a00, __m512 a01, __m512 a10, __m512 a11, __m512 a20,
                                                             __m512 a21, __m512 a30, __m512 a31, float scale, float *s,
                                                             int64_t ss) {
@@ -507,7 +518,7 @@ static inline __attribute__((always_inline)) void hsum8x_r4(__m512 a00, __m512 a
     __m512 x = _mm512_add_ps(_mm512_unpacklo_ps(u0, u1), _mm512_unpackhi_ps(u0, u1));
     x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E)); /* lane l: [sum u0_l, sum u1_l, ...] */
     /* gather [a00 a01 a10 a11 a20 a21 a30 a31] into the low 8 lanes; each row's two scores
-     * are one 64-bit store (no round trip through memory) */
+     * are one 64-bit store */
     x = _mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 13, 9, 5, 1, 12, 8, 4, 0), x);
     const __m256 y = _mm256_mul_ps(_mm512_castps512_ps256(x), _mm256_set1_ps(scale));
     const __m128 y0 = _mm256_castps256_ps128(y), y1 = _mm256_extractf128_ps(y, 1);
@@ -517,88 +528,194 @@ static inline __attribute__((always_inline)) void hsum8x_r4(__m512 a00, __m512 a
     _mm_storeh_pi((__m64 *)(s + 3 * ss), y1);
 }
 
-/* bfloat16 with AVX512-BF16, 4 query rows that see the same keys k0, k1 (D % 32 == 0, D == Dv):
- * vdpbf16ps multiplies bf16 pairs and accumulates in float32, so the scores need no widening
- * of K (q is bf16 already): s[r*ss + j] = scale * q_r.k_j. The values take two keys per
- * instruction (v0, v1 interleaved in registers): o_r += p_r0 v0 + p_r1 v1 with each weight
- * split into bf16 hi + lo (pw[r*pws + {0,1}] = hi(p_r0), hi(p_r1); pl likewise), which keeps
- * the float32 accuracy that one bf16 weight (flash-attn's choice for P.V on GPUs) would lose. */
-/* two bf16 values p[0], p[1] broadcast as a pair to every 32-bit lane */
-static inline __m512bh pair_bf16(const uint16_t *p) {
-    uint32_t u;
-    memcpy(&u, p, 4);
-    return (__m512bh)_mm512_set1_epi32((int)u);
+/* scale * horizontal sums of a0..a3 into s[0], s[ss], s[2 ss], s[3 ss] */
+static inline __attribute__((always_inline)) void hsum4x(__m512 a0, __m512 a1, __m512 a2, __m512 a3, float scale,
+                                                         float *s, int64_t ss) {
+    const __m512 t0 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
+    const __m512 t1 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
+    __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(t0, t1, 0x88), _mm512_shuffle_f32x4(t0, t1, 0xDD));
+    u = _mm512_add_ps(u, _mm512_permute_ps(u, 0x4E)); /* 128-bit lane l: partials of a_l */
+    u = _mm512_add_ps(u, _mm512_permute_ps(u, 0xB1));
+    const __m512i ix = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
+    const __m128 y = _mm_mul_ps(_mm512_castps512_ps128(_mm512_permutexvar_ps(ix, u)), _mm_set1_ps(scale));
+    _mm_store_ss(s, y);
+    _mm_store_ss(s + ss, _mm_movehdup_ps(y));
+    _mm_store_ss(s + 2 * ss, _mm_movehl_ps(y, y));
+    _mm_store_ss(s + 3 * ss, _mm_shuffle_ps(y, y, 3));
 }
 
-static inline __attribute__((always_inline)) void dp2_r4_bf(const uint16_t *q, int64_t qs, const char *k, int64_t ks,
-                                                            int64_t D, float scale, float *s, int64_t ss, float *o,
-                                                            int64_t os, const char *v, int64_t vs, const uint16_t *pw,
-                                                            const uint16_t *pl, int64_t pws) {
-    __m512 a00 = _mm512_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
-    const __m512bh w0 = pair_bf16(pw), w1 = pair_bf16(pw + pws), w2 = pair_bf16(pw + 2 * pws),
-                   w3 = pair_bf16(pw + 3 * pws);
-    const __m512bh l0 = pair_bf16(pl), l1 = pair_bf16(pl + pws), l2 = pair_bf16(pl + 2 * pws),
-                   l3 = pair_bf16(pl + 3 * pws);
-    const __m512i ilo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
-                                         5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i ihi = _mm512_add_epi16(ilo, _mm512_set1_epi16(16));
-    const uint16_t *k0 = (const uint16_t *)k, *k1 = (const uint16_t *)(k + ks);
-    const uint16_t *v0 = (const uint16_t *)v, *v1 = (const uint16_t *)(v + vs);
-    for (int64_t d = 0; d < D; d += 32) {
-#if PF_BF
-        _mm_prefetch((const char *)(k0 + d) + PF_BF, _MM_HINT_T0);
-        _mm_prefetch((const char *)(k1 + d) + PF_BF, _MM_HINT_T0);
-        _mm_prefetch((const char *)(v0 + d) + PF_BF, _MM_HINT_T0);
-        _mm_prefetch((const char *)(v1 + d) + PF_BF, _MM_HINT_T0);
+/* scores of 4 query rows (qs apart) against nk keys (ks bytes apart), one key at a time:
+ * s[r * ss + i] = scale * q_r . k_i. bf16 (AVX512-BF16): q is bf16 and vdpbf16ps multiplies
+ * pairs into float32; float32: q already scaled (scale 1). */
+static inline __attribute__((always_inline)) void sc1_r4_x(const void *q, int64_t qs, const char *k, int64_t D,
+                                                           float scale, float *s, int64_t ss, const int bf) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+#ifdef HAVE_BF16DP
+    if (bf) {
+        const uint16_t *qh = (const uint16_t *)q, *k0 = (const uint16_t *)k;
+        for (int64_t d = 0; d < D; d += 32) {
+            const __m512bh x = (__m512bh)_mm512_loadu_si512(k0 + d);
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(qh + d), x);
+            a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(qh + qs + d), x);
+            a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(qh + 2 * qs + d), x);
+            a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(qh + 3 * qs + d), x);
+        }
+    } else
 #endif
-        const __m512bh x0 = (__m512bh)_mm512_loadu_si512(k0 + d), x1 = (__m512bh)_mm512_loadu_si512(k1 + d);
-        __m512bh w = (__m512bh)_mm512_loadu_si512(q + d);
-        a00 = _mm512_dpbf16_ps(a00, w, x0), a01 = _mm512_dpbf16_ps(a01, w, x1);
-        w = (__m512bh)_mm512_loadu_si512(q + qs + d);
-        a10 = _mm512_dpbf16_ps(a10, w, x0), a11 = _mm512_dpbf16_ps(a11, w, x1);
-        w = (__m512bh)_mm512_loadu_si512(q + 2 * qs + d);
-        a20 = _mm512_dpbf16_ps(a20, w, x0), a21 = _mm512_dpbf16_ps(a21, w, x1);
-        w = (__m512bh)_mm512_loadu_si512(q + 3 * qs + d);
-        a30 = _mm512_dpbf16_ps(a30, w, x0), a31 = _mm512_dpbf16_ps(a31, w, x1);
-        const __m512i y0 = _mm512_loadu_si512(v0 + d), y1 = _mm512_loadu_si512(v1 + d);
-        const __m512bh lo = (__m512bh)_mm512_permutex2var_epi16(y0, ilo, y1),
-                       hi = (__m512bh)_mm512_permutex2var_epi16(y0, ihi, y1);
-        float *od = o + d;
-        _mm512_storeu_ps(od, _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_loadu_ps(od), lo, w0), lo, l0));
-        _mm512_storeu_ps(od + 16, _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_loadu_ps(od + 16), hi, w0), hi, l0));
-        od += os;
-        _mm512_storeu_ps(od, _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_loadu_ps(od), lo, w1), lo, l1));
-        _mm512_storeu_ps(od + 16, _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_loadu_ps(od + 16), hi, w1), hi, l1));
-        od += os;
-        _mm512_storeu_ps(od, _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_loadu_ps(od), lo, w2), lo, l2));
-        _mm512_storeu_ps(od + 16, _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_loadu_ps(od + 16), hi, w2), hi, l2));
-        od += os;
-        _mm512_storeu_ps(od, _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_loadu_ps(od), lo, w3), lo, l3));
-        _mm512_storeu_ps(od + 16, _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_loadu_ps(od + 16), hi, w3), hi, l3));
+    {
+        const float *qf = (const float *)q, *k0 = (const float *)k;
+        for (int64_t d = 0; d < D; d += 16) {
+            const __m512 x = _mm512_loadu_ps(k0 + d);
+            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qf + d), x, a0);
+            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qf + qs + d), x, a1);
+            a2 = _mm512_fmadd_ps(_mm512_loadu_ps(qf + 2 * qs + d), x, a2);
+            a3 = _mm512_fmadd_ps(_mm512_loadu_ps(qf + 3 * qs + d), x, a3);
+        }
+    }
+    hsum4x(a0, a1, a2, a3, scale, s, ss);
+}
+
+/* sc1_r4_x for two keys at once (k, k + ks): each q load serves both */
+static inline __attribute__((always_inline)) void sc2_r4_x(const void *q, int64_t qs, const char *k, int64_t ks,
+                                                           int64_t D, float scale, float *s, int64_t ss, const int bf) {
+    __m512 a00 = _mm512_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+#ifdef HAVE_BF16DP
+    if (bf) {
+        const uint16_t *qh = (const uint16_t *)q, *k0 = (const uint16_t *)k, *k1 = (const uint16_t *)(k + ks);
+        for (int64_t d = 0; d < D; d += 32) {
+            const __m512bh x0 = (__m512bh)_mm512_loadu_si512(k0 + d), x1 = (__m512bh)_mm512_loadu_si512(k1 + d);
+            __m512bh w = (__m512bh)_mm512_loadu_si512(qh + d);
+            a00 = _mm512_dpbf16_ps(a00, w, x0), a01 = _mm512_dpbf16_ps(a01, w, x1);
+            w = (__m512bh)_mm512_loadu_si512(qh + qs + d);
+            a10 = _mm512_dpbf16_ps(a10, w, x0), a11 = _mm512_dpbf16_ps(a11, w, x1);
+            w = (__m512bh)_mm512_loadu_si512(qh + 2 * qs + d);
+            a20 = _mm512_dpbf16_ps(a20, w, x0), a21 = _mm512_dpbf16_ps(a21, w, x1);
+            w = (__m512bh)_mm512_loadu_si512(qh + 3 * qs + d);
+            a30 = _mm512_dpbf16_ps(a30, w, x0), a31 = _mm512_dpbf16_ps(a31, w, x1);
+        }
+    } else
+#endif
+    {
+        const float *qf = (const float *)q, *k0 = (const float *)k, *k1 = (const float *)(k + ks);
+        for (int64_t d = 0; d < D; d += 16) {
+            const __m512 x0 = _mm512_loadu_ps(k0 + d), x1 = _mm512_loadu_ps(k1 + d);
+            __m512 w = _mm512_loadu_ps(qf + d);
+            a00 = _mm512_fmadd_ps(w, x0, a00), a01 = _mm512_fmadd_ps(w, x1, a01);
+            w = _mm512_loadu_ps(qf + qs + d);
+            a10 = _mm512_fmadd_ps(w, x0, a10), a11 = _mm512_fmadd_ps(w, x1, a11);
+            w = _mm512_loadu_ps(qf + 2 * qs + d);
+            a20 = _mm512_fmadd_ps(w, x0, a20), a21 = _mm512_fmadd_ps(w, x1, a21);
+            w = _mm512_loadu_ps(qf + 3 * qs + d);
+            a30 = _mm512_fmadd_ps(w, x0, a30), a31 = _mm512_fmadd_ps(w, x1, a31);
+        }
     }
     hsum8x_r4(a00, a01, a10, a11, a20, a21, a30, a31, scale, s, ss);
 }
 
-/* n weights to bf16 hi (nearest even) and lo (the remainder p - hi, to bf16), in key order */
-static inline void weights_bf16(const float *p, int64_t n, uint16_t *out, uint16_t *lo) {
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        const __m512 x = _mm512_loadu_ps(p + i);
-        const __m256bh h = _mm512_cvtneps_pbh(x);
-        _mm256_storeu_si256((__m256i *)(out + i), (__m256i)h);
-        const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
-        _mm256_storeu_si256((__m256i *)(lo + i), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, hf)));
+/* Values of n keys (vs bytes apart) for two rows o, o + os: o_r += sum_i p[r * ps + i] v_i on
+ * 16 * nz dims, the accumulators in registers for the whole group (one load and store per
+ * group instead of per key). float32 V in natural order; bf16 V widened as the even and odd
+ * elements of each 32-dim chunk (a shift and a mask, no shuffles), the accumulators permuted
+ * to that order on load and back on store. With nk > 0, the scores of 4 rows q (bf16 or
+ * float32 as in sc1_r4_x) against nk keys k are computed in the same loop, key i's K row
+ * next to its V row (sk: the scores, s[r * ss + i]). */
+static inline __attribute__((always_inline)) void vals2_sc(float *o, int64_t os, const char *v, int64_t vs, int64_t n,
+                                                           const float *p, int64_t ps, const int nz, const int bf,
+                                                           const void *q, int64_t D, const char *k, int64_t ks,
+                                                           int64_t nk, float scale, float *s, int64_t ss) {
+    __m512 a[8], c[8];
+    const __m512i ie = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0),
+                  io = _mm512_add_epi32(ie, _mm512_set1_epi32(1)),
+                  il = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0),
+                  ih = _mm512_add_epi32(il, _mm512_set1_epi32(8)), hm = _mm512_set1_epi32((int)0xffff0000u);
+    for (int z = 0; z < nz; z++) a[z] = _mm512_loadu_ps(o + 16 * z), c[z] = _mm512_loadu_ps(o + os + 16 * z);
+    if (bf)
+        for (int z = 0; z < nz; z += 2) {
+            __m512 t0 = a[z], t1 = a[z + 1];
+            a[z] = _mm512_permutex2var_ps(t0, ie, t1), a[z + 1] = _mm512_permutex2var_ps(t0, io, t1);
+            t0 = c[z], t1 = c[z + 1];
+            c[z] = _mm512_permutex2var_ps(t0, ie, t1), c[z + 1] = _mm512_permutex2var_ps(t0, io, t1);
+        }
+    const int64_t nn = n > nk ? n : nk;
+    for (int64_t i = 0; i < nn; i++) {
+        if (i < nk) sc1_r4_x(q, D, k + i * ks, D, scale, s + i, ss, bf);
+        if (i >= n) continue;
+        const __m512 w0 = _mm512_set1_ps(p[i]), w1 = _mm512_set1_ps(p[ps + i]);
+        const char *vi = v + i * vs;
+        if (bf)
+            for (int z = 0; z < nz; z += 2) {
+                const __m512i x = _mm512_loadu_si512(vi + 32 * z);
+                const __m512 ev = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)),
+                             od = _mm512_castsi512_ps(_mm512_and_si512(x, hm));
+                a[z] = _mm512_fmadd_ps(w0, ev, a[z]), a[z + 1] = _mm512_fmadd_ps(w0, od, a[z + 1]);
+                c[z] = _mm512_fmadd_ps(w1, ev, c[z]), c[z + 1] = _mm512_fmadd_ps(w1, od, c[z + 1]);
+            }
+        else
+            for (int z = 0; z < nz; z++) {
+                const __m512 x = _mm512_loadu_ps((const float *)vi + 16 * z);
+                a[z] = _mm512_fmadd_ps(w0, x, a[z]), c[z] = _mm512_fmadd_ps(w1, x, c[z]);
+            }
     }
-    for (; i < n; i++) {
-        uint32_t u;
-        float f, r;
-        memcpy(&u, p + i, 4);
-        out[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-        u = (uint32_t)out[i] << 16;
-        memcpy(&f, &u, 4);
-        r = p[i] - f;
-        memcpy(&u, &r, 4);
-        lo[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    if (bf)
+        for (int z = 0; z < nz; z += 2) {
+            __m512 t0 = a[z], t1 = a[z + 1];
+            a[z] = _mm512_permutex2var_ps(t0, il, t1), a[z + 1] = _mm512_permutex2var_ps(t0, ih, t1);
+            t0 = c[z], t1 = c[z + 1];
+            c[z] = _mm512_permutex2var_ps(t0, il, t1), c[z + 1] = _mm512_permutex2var_ps(t0, ih, t1);
+        }
+    for (int z = 0; z < nz; z++) _mm512_storeu_ps(o + 16 * z, a[z]), _mm512_storeu_ps(o + os + 16 * z, c[z]);
+}
+
+/* vals2_sc on dims [0, Dv) (Dv % 16 == 0, bf16: % 32), 128 at a time; the scores (nk > 0) go
+ * with the first 128 */
+static inline __attribute__((always_inline)) void vals2_x(float *o, int64_t os, const char *v, int64_t vs, int64_t n,
+                                                          const float *p, int64_t ps, int64_t Dv, const int bf,
+                                                          const void *q, int64_t D, const char *k, int64_t ks,
+                                                          int64_t nk, float scale, float *s, int64_t ss) {
+    const int64_t el = bf ? 2 : 4;
+    for (int64_t d = 0; d < Dv; nk = 0) {
+        const int64_t m = Dv - d;
+#define V2(NZ) vals2_sc(o + d, os, v + d * el, vs, n, p, ps, NZ, bf, q, D, k, ks, nk, scale, s, ss), d += 16 * NZ
+        if (m >= 128) V2(8);
+        else if (m >= 64) V2(4);
+        else if (m >= 32) V2(2);
+        else if (!bf) V2(1);
+        else break; /* bf16: Dv % 32 == 0, never here */
+#undef V2
+    }
+}
+
+/* 4-row groups (R >= 4, every row the same key range in this block): scores of the nk keys at
+ * K into sn, values of the nv keys at V with weights sc into acc, all R rows */
+static inline __attribute__((always_inline)) void block_r4_512(const job_t *J, int64_t bh, int64_t r4, const char *K,
+                                                               int64_t kst, int64_t nk, float *sn, const char *V,
+                                                               int64_t vst, int64_t nv, const float *sc, int64_t ss,
+                                                               float *acc, const int bf) {
+    const int64_t R = J->R, D = J->D, Dv = J->Dv, G = bf ? GRP_BF16 : GRP_F32;
+    const float *q = J->q + bh * R * D;
+    const void *qg = bf ? (const void *)(J->qb + bh * R * D) : (const void *)q;
+    const int64_t qel = bf ? 2 : 4;
+    const float sg = bf ? J->scale : 1.0f;
+    for (int64_t ik = 0, iv = 0; ik < nk || iv < nv; ik += G, iv += G) {
+        const int64_t gk = ik < nk ? (nk - ik < G ? nk - ik : G) : 0, gv = iv < nv ? (nv - iv < G ? nv - iv : G) : 0;
+        int64_t r = 0;
+        if (!bf) { /* rows 0-3's scores inside rows 0-1's values */
+            vals2_x(acc, Dv, V + iv * vst, vst, gv, sc + iv, ss, Dv, bf, qg, D, K + ik * kst, kst, gk, sg, sn + ik, ss);
+            r = 4;
+        }
+        for (; r < r4; r += 4) {
+            const void *qr = (const char *)qg + r * D * qel;
+            int64_t j = ik;
+            for (; j + 2 <= ik + gk; j += 2) sc2_r4_x(qr, D, K + j * kst, kst, D, sg, sn + r * ss + j, ss, bf);
+            if (j < ik + gk) sc1_r4_x(qr, D, K + j * kst, D, sg, sn + r * ss + j, ss, bf);
+        }
+        for (r = r4; r < R; r++)
+            for (int64_t j = ik; j < ik + gk; j++) dot1_x(q + r * D, K + j * kst, D, sn + r * ss + j, bf);
+        for (r = bf ? 0 : 2; r + 2 <= R; r += 2)
+            vals2_x(acc + r * Dv, Dv, V + iv * vst, vst, gv, sc + r * ss + iv, ss, Dv, bf, NULL, D, NULL, 0, 0, 0.0f,
+                    NULL, 0);
+        if (r < R)
+            for (int64_t j = iv; j < iv + gv; j++) axpy1_x(acc + r * Dv, V + j * vst, Dv, sc[r * ss + j], bf);
     }
 }
 #endif
@@ -698,23 +815,14 @@ static inline __attribute__((always_inline)) void run_task_fast_x(const job_t *J
             float *sc = sbuf + (blk & 1) * BS, *sn = sbuf + ((blk + 1) & 1) * BS;
             const int64_t ss = 2 * BS;
             int64_t i = 0;
+#ifdef HAVE_AVX512
 #ifdef HAVE_BF16DP
-            if (bf && J->qb && D % 32 == 0) {
-                /* rows beyond the last run of 4 take the float32-query path, key by key */
-                uint16_t *pb = (uint16_t *)(sbuf + 2 * BS * (R + 1));
-                const uint16_t *qb = J->qb + bh * R * D;
-                const int64_t np = nk < nv ? nk : nv;
-                if (np >= 2)
-                    for (int64_t r = 0; r < r4; r++) weights_bf16(sc + r * ss, np, pb + r * BS, pb + (R + r) * BS);
-                for (; i + 2 <= np; i += 2) {
-                    for (int64_t r = 0; r < r4; r += 4)
-                        dp2_r4_bf(qb + r * D, D, K + i * kst, kst, D, J->scale, sn + r * ss + i, ss, acc + r * Dv, Dv,
-                                  V + i * vst, vst, pb + r * BS + i, pb + (R + r) * BS + i, BS);
-                    for (int64_t r = r4; r < R; r++)
-                        for (int64_t j = i; j < i + 2; j++)
-                            dot_axpy1_x(q + r * D, K + j * kst, D, sn + r * ss + j, acc + r * Dv, V + j * vst, Dv,
-                                        sc[r * ss + j], bf);
-                }
+            if (bf ? J->qb && D % 32 == 0 : D % 16 == 0) {
+#else
+            if (!bf && D % 16 == 0) {
+#endif
+                block_r4_512(J, bh, r4, K, kst, nk, sn, V, vst, nv, sc, ss, acc, bf);
+                continue;
             }
 #endif
             if (r4 == R && bf) /* float32: two interleaved rows stream slower than one */
