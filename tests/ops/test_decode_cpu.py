@@ -226,8 +226,8 @@ def test_portable_build_without_native_flags(monkeypatch):
 @pytest.mark.parametrize("R,D", [(4, 128), (6, 128), (8, 64), (12, 128)])
 def test_bf16_queries_keep_float32_accuracy(R, D):
     """bf16 q with bf16 K/V (the AVX512-BF16 path where the CPU has it, else AVX2): the float32
-    output stays float32-accurate (the weights go in as hi + lo bf16 pairs); rounding them to
-    one bf16 each would give errors around 1e-4 here."""
+    output stays float32-accurate (float32 weights times widened V); rounding the weights to
+    one bf16 each, as flash-attn does for P.V, would give errors around 1e-4 here."""
     g = torch.Generator().manual_seed(R)
     B, H, S = 2, 2, 1000
     qg = (torch.randn(B, H, R, D, generator=g) * 2).to(torch.bfloat16)
@@ -244,6 +244,26 @@ def test_bf16_queries_keep_float32_accuracy(R, D):
         outs.append(out)
     # where the kernel has AVX512-BF16, bf16 queries really take the other path (other rounding)
     assert torch.equal(outs[0], outs[1]) != ("avx512bf16" in DC.kernel_features())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_groups_head_dims_and_tails(dtype):
+    """The 4-row group path (AVX-512 where the CPU has it): head dims over one 128-float
+    register tile and partial tiles, row counts with a remainder row, key ranges that end
+    mid-group and mid-block, rows that differ within a block; float64 reference."""
+    S = 1000
+    for D, R in [(32, 4), (96, 5), (160, 8), (256, 4), (192, 6)]:
+        g = torch.Generator().manual_seed(D + R)
+        qg = torch.randn(3, 2, R, D, generator=g).to(dtype)
+        k = torch.randn(3, 2, S, D, generator=g).to(dtype)
+        v = torch.randn(3, 2, S, D, generator=g).to(dtype)
+        lo = torch.tensor([[0] * R, [5] * R, [3 * r for r in range(R)]])
+        hi = torch.tensor([[S] * R, [S - 7] * R, [S - 61 - 5 * r for r in range(R)]])
+        ref_o, ref_l = ref_rows(qg, k, v, D**-0.5, lo, hi, None)
+        for q in (qg, qg.float()):
+            out, lse = decode_cpu(q, k, v, D**-0.5, lo, hi)
+            assert (out.double() - ref_o).abs().max() < 2e-5, (D, R, q.dtype)
+            assert (lse.double() - ref_l).abs().max() < 2e-5, (D, R, q.dtype)
 
 
 def test_auto_bf16_row_limit_follows_kernel_features(monkeypatch):

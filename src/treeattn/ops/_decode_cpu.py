@@ -125,13 +125,14 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
 
 def _features(lib: ctypes.CDLL) -> list[str]:
     bits = lib.treeattn_features()
-    return [name for bit, name in ((1, "avx2"), (2, "avx512bf16")) if bits & bit]
+    return [name for bit, name in ((1, "avx2"), (4, "avx512"), (2, "avx512bf16")) if bits & bit]
 
 
 def kernel_features() -> frozenset[str]:
-    """Fast paths of the loaded kernel: ``"avx2"`` (float32/bfloat16, AVX2+FMA) and
-    ``"avx512bf16"`` (bfloat16 queries and K/V with AVX512-BF16 dot products); empty when the
-    PyTorch fallback is in use."""
+    """Fast paths of the loaded kernel: ``"avx2"`` (float32/bfloat16, AVX2+FMA), ``"avx512"``
+    (groups of 4 query rows per KV head, float32 and bfloat16, with AVX-512) and
+    ``"avx512bf16"`` (bfloat16 queries and K/V with AVX512-BF16 dot products for the scores);
+    empty when the PyTorch fallback is in use."""
     _lib()
     return _state["features"]
 
