@@ -238,7 +238,7 @@ def _attention(
 
 # Largest rows per KV head (G * Tq) for which auto picks decode_cpu, per dtype (measured,
 # see _pick_backend): past these flash_cpu's GEMM blocking wins.
-_DECODE_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 16, torch.float16: 128}
+_DECODE_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 16, torch.float16: 128}
 # bfloat16 when the kernel has AVX512-BF16 dot products (bf16 q and K/V, D = Dv, D % 32 == 0)
 _DECODE_MAX_ROWS_BF16DP = 128
 
@@ -255,6 +255,10 @@ def _pick_backend(q: Tensor, k: Tensor, v: Tensor) -> str:
     #   bf16 with AVX512-BF16 (the 2026-11-23 EPYC VM, loadavg ~0.9, mean of two sweeps; at 1
     #   row both machines run the same AVX2 code):
     #          8.98   2.45  2.41  1.99  1.35  1.43  1.27
+    #   with the AVX-512 4-row path (same VM, three sweeps, lowest-highest):
+    #   fp32   3.8    1.9-2.1  1.5-1.6  1.1-1.2  0.92-0.95  1.0-1.05  1.0-1.15
+    #   bf16   9.7-10.8  3.6-3.9  1.9-2.2  1.3-1.4  1.1-1.2  1.3-1.4  1.4-1.5
+    #   (fp32 limit 16: at 32 rows flash_cpu was ahead in every sweep; beyond, within noise)
     # flash_cpu: at least as fast as the grouped matmul path in float32/float64 and much
     # faster in half precision, where the matmul path upcasts K/V chunks to float32.
     # CUDA: the fused kernels (flash-attn / aten flash / mem-efficient) when available.
