@@ -495,8 +495,8 @@ static inline __attribute__((always_inline)) void dot_axpy2_r4_x(const float *q,
 #endif
 /* Keys per group in the AVX-512 4-row path (measured from memory, docs/benchmarks.md §9):
  * float32 reads each key's K row (scores) and V row (values of two rows) side by side in
- * groups of 4; bfloat16 computes 16 keys' scores, then their values. Software prefetching
- * and other group sizes measured slower here. */
+ * groups of 4; bfloat16 computes 16 keys' scores, then their values. Other group
+ * sizes measured slower here. */
 #ifndef GRP_F32
 #define GRP_F32 4
 #endif
@@ -505,9 +505,10 @@ static inline __attribute__((always_inline)) void dot_axpy2_r4_x(const float *q,
 #endif
 
 /* Software prefetch in the AVX-512 4-row path, float32 only: each key's K and V rows PF_KEYS
- * keys ahead into L2, one key per iteration (measured: +3-18% from memory at 24 keys; into L1
- * (T0), in a burst per group, or closer than ~16 keys: up to 2x slower; bfloat16: within
- * noise at 24 keys, much slower closer, so not used there) */
+ * keys ahead into L2, one key per iteration (measured from memory at 24 keys: 0.97-1.18x,
+ * median ~1.08x; into L1 (T0), in a burst per group, or closer than ~16 keys: up to 2x
+ * slower; bfloat16: within noise at 24 keys, much slower closer, so not used there).
+ * Prefetching past the end of K/V is harmless: prefetches do not fault. */
 #ifndef PF_KEYS
 #define PF_KEYS 24
 #endif
