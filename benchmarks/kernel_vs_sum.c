@@ -9,7 +9,7 @@
  *   /tmp/kernel_vs_sum [dtype f32|bf16] [Hkv] [rows per KV head] [S] [reps] [threads] [pages huge|4k] [warm]
  *
  * `warm`: each repetition times 50 back-to-back kernel calls after the sums, so K/V come from
- * the caches when they fit (e.g. Hkv=2, S=1024: 1 MiB of float32 K+V in L2/L3): the kernel's
+ * the caches when they fit (e.g. float32, Hkv=2, S=1024: K and V 1 MiB each, in L2/L3): the kernel's
  * compute ceiling, to set against the memory floor.
  *
  * B = 1, D = Dv = 128, bf16 queries for bf16 K/V (the AVX512-BF16 path where the CPU has it).
@@ -94,17 +94,18 @@ int main(int argc, char **argv) {
         float b = 0, c = 0;
 #pragma omp simd reduction(+ : b, c)
         for (size_t i = 0; i < n / 2; i++) b += x[i], c += x[i + n / 2];
+        const double t2s = now(); /* end of the two-stream sum, before any warm-up call */
         const int calls = warm ? 50 : 1;
         if (warm) /* bring K/V back into the caches */
             treeattn_decode(q, bf ? qb : NULL, scale, k, v, bf ? 1 : 0, 1, H, R, S, D, D, H * S * D, S * D, D,
                             H * S * D, S * D, D, NULL, NULL, 0.0f, nth, 64, 2048, out, lse);
         double t2 = now();
-        for (int c = 0; c < calls; c++)
+        for (int it = 0; it < calls; it++)
             treeattn_decode(q, bf ? qb : NULL, scale, k, v, bf ? 1 : 0, 1, H, R, S, D, D, H * S * D, S * D, D,
                             H * S * D, S * D, D, NULL, NULL, 0.0f, nth, 64, 2048, out, lse);
         double t3 = now();
         sink += a + b + c + out[0];
-        s1[r] = n * 4.0 / (t1 - t0) / 1e9, s2[r] = n * 4.0 / (t2 - t1) / 1e9, kgb[r] = calls * bytes / (t3 - t2) / 1e9;
+        s1[r] = n * 4.0 / (t1 - t0) / 1e9, s2[r] = n * 4.0 / (t2s - t1) / 1e9, kgb[r] = calls * bytes / (t3 - t2) / 1e9;
         r1[r] = kgb[r] / s1[r], r2[r] = kgb[r] / s2[r];
     }
     printf("%s Hkv=%ld rows=%ld S=%ld threads=%d %s%s: kernel %.1f GB/s | sum 1 stream %.1f GB/s (kernel %.0f%%) | "

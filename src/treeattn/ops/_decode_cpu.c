@@ -10,8 +10,9 @@
  * reached only about half the read bandwidth.  bf16 is widened in registers (a 16-bit
  * shift); runs of 4 rows with the same key range share each K/V load.  With AVX-512 such
  * runs (GQA) take block_r4_512: the value accumulators of two rows stay in registers over a
- * group of keys (one load/store per group, not per key, which bounded the AVX2 loop), with
- * vdpbf16ps scores from bf16 queries where the CPU has AVX512-BF16.  Generic path (fp16,
+ * group of keys (one load/store per group, not per key, which bounded the AVX2 loop): float32
+ * always, bfloat16 only with bf16 queries on CPUs with AVX512-BF16 (vdpbf16ps scores; other
+ * bf16 cases take the AVX2 loop).  Generic path (fp16,
  * other head dims, no AVX2): blocks converted to float32 in L1, then plain loops.
  * Built on first use by _decode_cpu.py (gcc -O3 -march=native -fopenmp-simd). */
 #include <math.h>
@@ -505,8 +506,8 @@ static inline __attribute__((always_inline)) void dot_axpy2_r4_x(const float *q,
 #endif
 
 /* Software prefetch in the AVX-512 4-row path, float32 only: each key's K and V rows PF_KEYS
- * keys ahead into L2, one key per iteration (measured from memory at 24 keys: 0.97-1.18x,
- * median ~1.08x; into L1 (T0), in a burst per group, or closer than ~16 keys: up to 2x
+ * keys ahead into L2, one key per iteration (measured from memory at 24 keys: 0.97-1.14x over
+ * 9 pairs, median 1.08x; into L1 (T0), in a burst per group, or closer than ~16 keys: up to 2x
  * slower; bfloat16: within noise at 24 keys, much slower closer, so not used there).
  * Prefetching past the end of K/V is harmless: prefetches do not fault. */
 #ifndef PF_KEYS
@@ -631,7 +632,7 @@ static inline __attribute__((always_inline)) void sc2_r4_x(const void *q, int64_
  * elements of each 32-dim chunk (a shift and a mask, no shuffles), the accumulators permuted
  * to that order on load and back on store. With nk > 0, the scores of 4 rows q (bf16 or
  * float32 as in sc1_r4_x) against nk keys k are computed in the same loop, key i's K row
- * next to its V row (sk: the scores, s[r * ss + i]). */
+ * next to its V row (the scores go to s[r * ss + i]). */
 static inline __attribute__((always_inline)) void vals2_sc(float *o, int64_t os, const char *v, int64_t vs, int64_t n,
                                                            const float *p, int64_t ps, const int nz, const int bf,
                                                            const void *q, int64_t D, const char *k, int64_t ks,

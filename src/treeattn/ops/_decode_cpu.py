@@ -130,7 +130,8 @@ def _features(lib: ctypes.CDLL) -> list[str]:
 
 def kernel_features() -> frozenset[str]:
     """Fast paths of the loaded kernel: ``"avx2"`` (float32/bfloat16, AVX2+FMA), ``"avx512"``
-    (groups of 4 query rows per KV head, float32 and bfloat16, with AVX-512) and
+    (groups of 4 query rows per KV head with AVX-512: float32, and bfloat16 when the queries are
+    bf16 and the CPU has AVX512-BF16) and
     ``"avx512bf16"`` (bfloat16 queries and K/V with AVX512-BF16 dot products for the scores);
     empty when the PyTorch fallback is in use."""
     _lib()
