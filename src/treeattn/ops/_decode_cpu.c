@@ -636,7 +636,7 @@ static inline __attribute__((always_inline)) void sc2_r4_x(const void *q, int64_
 static inline __attribute__((always_inline)) void vals2_sc(float *o, int64_t os, const char *v, int64_t vs, int64_t n,
                                                            const float *p, int64_t ps, const int nz, const int bf,
                                                            const void *q, int64_t D, const char *k, int64_t ks,
-                                                           int64_t nk, float scale, float *s, int64_t ss, const int pf) {
+                                                           int64_t nk, float scale, float *s, int64_t ss) {
     __m512 a[8], c[8];
     const __m512i ie = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0),
                   io = _mm512_add_epi32(ie, _mm512_set1_epi32(1)),
@@ -651,8 +651,9 @@ static inline __attribute__((always_inline)) void vals2_sc(float *o, int64_t os,
             c[z] = _mm512_permutex2var_ps(t0, ie, t1), c[z + 1] = _mm512_permutex2var_ps(t0, io, t1);
         }
     const int64_t nn = n > nk ? n : nk;
+    const int pf = !bf && q; /* the float32 pass that also computes scores reads V first */
     for (int64_t i = 0; i < nn; i++) {
-        if (pf) { /* float32: K and V rows PF_KEYS keys ahead into L2 */
+        if (pf) { /* K and V rows PF_KEYS keys ahead into L2 */
             if (i < nk) prefetch_l2(k + (i + PF_KEYS) * ks, D * 4);
             if (i < n) prefetch_l2(v + (i + PF_KEYS) * vs, nz * 64);
         }
@@ -689,11 +690,11 @@ static inline __attribute__((always_inline)) void vals2_sc(float *o, int64_t os,
 static inline __attribute__((always_inline)) void vals2_x(float *o, int64_t os, const char *v, int64_t vs, int64_t n,
                                                           const float *p, int64_t ps, int64_t Dv, const int bf,
                                                           const void *q, int64_t D, const char *k, int64_t ks,
-                                                          int64_t nk, float scale, float *s, int64_t ss, const int pf) {
+                                                          int64_t nk, float scale, float *s, int64_t ss) {
     /* straight-line calls (a loop over the chunk sizes compiled ~10% slower here) */
     const int64_t el = bf ? 2 : 4;
     int64_t d = 0;
-#define V2(NZ) vals2_sc(o + d, os, v + d * el, vs, n, p, ps, NZ, bf, q, D, k, ks, nk, scale, s, ss, pf), d += 16 * NZ, nk = 0
+#define V2(NZ) vals2_sc(o + d, os, v + d * el, vs, n, p, ps, NZ, bf, q, D, k, ks, nk, scale, s, ss), d += 16 * NZ, nk = 0
     if (Dv >= 128) V2(8);
     for (; d + 128 <= Dv;) V2(8);
     if (d + 64 <= Dv) V2(4);
@@ -717,7 +718,7 @@ static inline __attribute__((always_inline)) void block_r4_512(const job_t *J, i
         const int64_t gk = ik < nk ? (nk - ik < G ? nk - ik : G) : 0, gv = iv < nv ? (nv - iv < G ? nv - iv : G) : 0;
         int64_t r = 0;
         if (!bf) { /* rows 0-3's scores inside rows 0-1's values */
-            vals2_x(acc, Dv, V + iv * vst, vst, gv, sc + iv, ss, Dv, bf, qg, D, K + ik * kst, kst, gk, sg, sn + ik, ss, 1);
+            vals2_x(acc, Dv, V + iv * vst, vst, gv, sc + iv, ss, Dv, bf, qg, D, K + ik * kst, kst, gk, sg, sn + ik, ss);
             r = 4;
         }
         for (; r < r4; r += 4) {
@@ -730,7 +731,7 @@ static inline __attribute__((always_inline)) void block_r4_512(const job_t *J, i
             for (int64_t j = ik; j < ik + gk; j++) dot1_x(q + r * D, K + j * kst, D, sn + r * ss + j, bf);
         for (r = bf ? 0 : 2; r + 2 <= R; r += 2)
             vals2_x(acc + r * Dv, Dv, V + iv * vst, vst, gv, sc + r * ss + iv, ss, Dv, bf, NULL, D, NULL, 0, 0, 0.0f,
-                    NULL, 0, 0);
+                    NULL, 0);
         if (r < R)
             for (int64_t j = iv; j < iv + gv; j++) axpy1_x(acc + r * Dv, V + j * vst, Dv, sc[r * ss + j], bf);
     }
