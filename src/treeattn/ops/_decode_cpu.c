@@ -489,6 +489,148 @@ static inline __attribute__((always_inline)) void dot_axpy2_r4_x(const float *q,
 }
 
 
+/* ---- bfloat16: AVX2 register tiles over groups of keys (rows that see the same keys) ----
+ * The per-key loops above widen every bf16 element with two instructions and load and store
+ * each row's value accumulator once per key, which bounds them near half the read bandwidth
+ * on AVX2-only CPUs. Here a group of GRP_X keys is done in two short phases that keep the K
+ * and V streams side by side: the scores of the next block's keys (tiles of 4 rows x 2 keys,
+ * or 1 row x 4 keys: each K and q load serves several FMAs), then the values of this block's
+ * keys (tiles of 2 rows x 32 dims, or 1 row x 64 dims, whose accumulators stay in registers
+ * over the group; V rows re-read from L1). 16 bf16 are widened at once as their even and odd
+ * elements (one shift, one and), so q (qp) and the accumulators are kept in that order
+ * (perm16). The first row tile prefetches one line PFK_X keys ahead per step. float32 runs
+ * measured slower this way than in the per-key loops (docs/benchmarks.md section 9). */
+#ifndef GRP_X
+#define GRP_X 8
+#endif
+#ifndef PFK_X
+#define PFK_X 16
+#endif
+
+/* 16 bf16 at p as two float32 vectors: ev = elements 0, 2, .., 14; od = 1, 3, .., 15 */
+#define LDEO(p, ev, od)                                                                              \
+    do {                                                                                             \
+        const __m256i x_ = _mm256_loadu_si256((const __m256i *)(p));                                 \
+        ev = _mm256_castsi256_ps(_mm256_slli_epi32(x_, 16));                                         \
+        od = _mm256_castsi256_ps(_mm256_and_si256(x_, _mm256_set1_epi32((int)0xffff0000u)));        \
+    } while (0)
+
+/* n floats x (n % 16 == 0) to (to_perm) or from the even/odd order of LDEO, in place */
+static void perm16(float *x, int64_t n, int to_perm) {
+    float t[16];
+    for (int64_t d = 0; d < n; d += 16) {
+        for (int i = 0; i < 8; i++) {
+            if (to_perm)
+                t[i] = x[d + 2 * i], t[8 + i] = x[d + 2 * i + 1];
+            else
+                t[2 * i] = x[d + i], t[2 * i + 1] = x[d + 8 + i];
+        }
+        memcpy(x + d, t, sizeof t);
+    }
+}
+
+/* s[r * ss + j] = q_r . k_j for NR rows (q in even/odd order, qs floats apart) x NK bf16 keys
+ * (ks bytes apart), NR * NK <= 8, D % 16 == 0 */
+static inline __attribute__((always_inline)) void sc_tile_bf(const float *q, int64_t qs, const char *k, int64_t ks,
+                                                             int64_t D, float *s, int64_t ss, const int NR,
+                                                             const int NK, const int pf) {
+    __m256 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+        __m256 x0[4], x1[4];
+        for (int j = 0; j < NK; j++) {
+            if (pf && !(d & 31)) _mm_prefetch(k + (j + PFK_X) * ks + 2 * d, _MM_HINT_T0);
+            LDEO((const uint16_t *)(k + j * ks) + d, x0[j], x1[j]);
+        }
+        for (int r = 0; r < NR; r++) {
+            const __m256 w0 = _mm256_loadu_ps(q + r * qs + d), w1 = _mm256_loadu_ps(q + r * qs + d + 8);
+            for (int j = 0; j < NK; j++) {
+                const int i = r * NK + j;
+                if (NR * NK <= 4) /* two chains per score: FMA latency, not throughput, bounds one */
+                    a[i] = _mm256_fmadd_ps(w0, x0[j], a[i]), a[i + 4] = _mm256_fmadd_ps(w1, x1[j], a[i + 4]);
+                else
+                    a[i] = _mm256_fmadd_ps(w1, x1[j], _mm256_fmadd_ps(w0, x0[j], a[i]));
+            }
+        }
+    }
+    if (NR * NK <= 4)
+        for (int i = 0; i < 4; i++) a[i] = _mm256_add_ps(a[i], a[i + 4]);
+    /* horizontal sums of a[0..8) into t[0..8) */
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    float t[8];
+    _mm_storeu_ps(t, _mm_add_ps(_mm256_castps256_ps128(u0), _mm256_extractf128_ps(u0, 1)));
+    if (NR * NK > 4) {
+        const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+        _mm_storeu_ps(t + 4, _mm_add_ps(_mm256_castps256_ps128(u1), _mm256_extractf128_ps(u1, 1)));
+    }
+    for (int r = 0; r < NR; r++)
+        for (int j = 0; j < NK; j++) s[r * ss + j] = t[r * NK + j];
+}
+
+/* o_r += sum_i p[r * ps + i] v_i for NR rows (os floats apart, even/odd order) on 8 * NZ dims
+ * (NZ even), n bf16 keys (vs bytes apart); the NR x NZ accumulators stay in registers */
+static inline __attribute__((always_inline)) void val_tile_bf(float *o, int64_t os, const char *v, int64_t vs,
+                                                              int64_t n, const float *p, int64_t ps, const int NR,
+                                                              const int NZ, const int pf) {
+    __m256 a[2][8];
+    for (int r = 0; r < NR; r++)
+        for (int z = 0; z < NZ; z++) a[r][z] = _mm256_loadu_ps(o + r * os + 8 * z);
+    for (int64_t i = 0; i < n; i++) {
+        const char *vi = v + i * vs;
+        __m256 w[2];
+        for (int r = 0; r < NR; r++) w[r] = _mm256_broadcast_ss(p + r * ps + i);
+        for (int z = 0; z < NZ; z += 2) {
+            __m256 x0, x1;
+            if (pf && !(z & 2)) _mm_prefetch(vi + PFK_X * vs + 16 * z, _MM_HINT_T0);
+            LDEO((const uint16_t *)vi + 8 * z, x0, x1);
+            for (int r = 0; r < NR; r++)
+                a[r][z] = _mm256_fmadd_ps(w[r], x0, a[r][z]), a[r][z + 1] = _mm256_fmadd_ps(w[r], x1, a[r][z + 1]);
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int z = 0; z < NZ; z++) _mm256_storeu_ps(o + r * os + 8 * z, a[r][z]);
+}
+
+/* bf16, all R rows see the same keys in this block: scores of the nk keys at K into sn (rows
+ * ss apart), values of the nv keys at V with weights sc into acc, GRP_X keys at a time.
+ * q (qp) and acc in even/odd order; D, Dv % 16 == 0. */
+static void block_tile_bf(const float *q, int64_t R, int64_t D, int64_t Dv, const char *K, int64_t kst, int64_t nk,
+                          float *sn, const char *V, int64_t vst, int64_t nv, const float *sc, int64_t ss, float *acc) {
+    for (int64_t g0 = 0; g0 < nk || g0 < nv; g0 += GRP_X) {
+        const int64_t gk = nk - g0 < GRP_X ? (nk > g0 ? nk - g0 : 0) : GRP_X;
+        const int64_t gv = nv - g0 < GRP_X ? (nv > g0 ? nv - g0 : 0) : GRP_X;
+        const char *Kg = K + g0 * kst;
+        int64_t r = 0;
+        for (; r + 4 <= R; r += 4) {
+            int64_t j = 0;
+            for (; j + 2 <= gk; j += 2) sc_tile_bf(q + r * D, D, Kg + j * kst, kst, D, sn + r * ss + g0 + j, ss, 4, 2, !r);
+            if (j < gk) sc_tile_bf(q + r * D, D, Kg + j * kst, kst, D, sn + r * ss + g0 + j, ss, 4, 1, !r);
+        }
+        for (; r < R; r++) {
+            int64_t j = 0;
+            for (; j + 4 <= gk; j += 4) sc_tile_bf(q + r * D, D, Kg + j * kst, kst, D, sn + r * ss + g0 + j, ss, 1, 4, !r);
+            for (; j < gk; j++) sc_tile_bf(q + r * D, D, Kg + j * kst, kst, D, sn + r * ss + g0 + j, ss, 1, 1, !r);
+        }
+        if (!gv) continue;
+        const char *Vg = V + g0 * vst;
+        for (r = 0; r + 2 <= R; r += 2) {
+            float *o = acc + r * Dv;
+            const float *p = sc + r * ss + g0;
+            int64_t d = 0;
+            for (; d + 32 <= Dv; d += 32) val_tile_bf(o + d, Dv, Vg + 2 * d, vst, gv, p, ss, 2, 4, !r);
+            if (d < Dv) val_tile_bf(o + d, Dv, Vg + 2 * d, vst, gv, p, ss, 2, 2, !r);
+        }
+        if (r < R) {
+            float *o = acc + r * Dv;
+            const float *p = sc + r * ss + g0;
+            int64_t d = 0;
+            for (; d + 64 <= Dv; d += 64) val_tile_bf(o + d, Dv, Vg + 2 * d, vst, gv, p, ss, 1, 8, !r);
+            for (; d + 32 <= Dv; d += 32) val_tile_bf(o + d, Dv, Vg + 2 * d, vst, gv, p, ss, 1, 4, !r);
+            if (d < Dv) val_tile_bf(o + d, Dv, Vg + 2 * d, vst, gv, p, ss, 1, 2, !r);
+        }
+    }
+}
+
 #if defined(__AVX512F__)
 #define HAVE_AVX512 1
 #if defined(__AVX512BW__) && defined(__AVX512BF16__)
@@ -738,6 +880,14 @@ static inline __attribute__((always_inline)) void block_r4_512(const job_t *J, i
 }
 #endif
 
+/* bfloat16 tiles (block_tile_bf) where they were measured: AVX2-only CPUs (1.25-1.5x the per-key
+ * loops on a Zen 1 EPYC); AVX-512 builds keep their own measured routing */
+#ifdef HAVE_AVX512
+#define TILE_BF16 0
+#else
+#define TILE_BF16 1
+#endif
+
 /* softmax of row r's block scores s[0..n) into weights, updating its running max/denominator
  * and rescaling its accumulator */
 static inline void softmax_block(float *s, int64_t n, float cap, float *mx, double *den, float *o, int64_t Dv) {
@@ -776,7 +926,7 @@ static inline void softmax_block(float *s, int64_t n, float cap, float *mx, doub
 /* float32/bfloat16, D and Dv multiples of 8: software-pipelined over blocks, the scores of
  * block b+1 computed in the same loop that accumulates the values of block b. */
 static inline __attribute__((always_inline)) void run_task_fast_x(const job_t *J, int64_t t, float *sbuf, int64_t *rng,
-                                                                  int bf) {
+                                                                  float *qp, int bf) {
     const int64_t R = J->R, D = J->D, Dv = J->Dv, S = J->S, BS = J->block;
     const int64_t bh = t / J->nsplit, sp = t % J->nsplit, b = bh / J->H, h = bh % J->H;
     const float *q = J->q + bh * R * D;
@@ -792,6 +942,13 @@ static inline __attribute__((always_inline)) void run_task_fast_x(const job_t *J
     if (ulo >= uhi) return;
     const int64_t nb = (uhi - ulo + BS - 1) / BS;
     const float cap = J->softcap;
+    /* block_tile_bf keeps q (in qp) and acc in even/odd order; perm: acc currently in it */
+    const int tile = TILE_BF16 && bf && D % 16 == 0 && Dv % 16 == 0;
+    int perm = 0;
+    if (tile) {
+        memcpy(qp, q, sizeof(float) * R * D);
+        perm16(qp, R * D, 1);
+    }
     for (int64_t blk = -1; blk < nb; blk++) {
         /* block blk: weights + values; block blk+1: scores. Rows inside the loop over groups
          * of 4 keys: the first row streams each K/V byte from memory, the others hit L1. */
@@ -818,31 +975,37 @@ static inline __attribute__((always_inline)) void run_task_fast_x(const job_t *J
             gmax = ce - ca > gmax ? ce - ca : gmax;
             gmax = ne - na > gmax ? ne - na : gmax;
         }
-        /* runs of 4 rows with identical ranges in this block share every K/V load */
-        int64_t r4 = 0;
-        if (D == Dv && R >= 4) {
-            int uni = 1;
-            for (int64_t r = 1; r < R && uni; r++)
-                uni = rng[4 * r] == rng[0] && rng[4 * r + 1] == rng[1] && rng[4 * r + 2] == rng[2] &&
-                      rng[4 * r + 3] == rng[3];
-            if (uni) r4 = R / 4 * 4;
+        /* rows with identical ranges in this block share every K/V load */
+        int uni = 1;
+        for (int64_t r = 1; r < R && uni; r++)
+            uni = rng[4 * r] == rng[0] && rng[4 * r + 1] == rng[1] && rng[4 * r + 2] == rng[2] &&
+                  rng[4 * r + 3] == rng[3];
+        const int64_t r4 = uni && D == Dv && R >= 4 ? R / 4 * 4 : 0;
+        const int64_t ss = 2 * BS;
+#ifdef HAVE_AVX512
+#ifdef HAVE_BF16DP
+        if (r4 && (bf ? J->qb && D % 32 == 0 : D % 16 == 0)) {
+#else
+        if (r4 && !bf && D % 16 == 0) {
+#endif
+            if (perm) perm16(acc, R * Dv, 0), perm = 0;
+            block_r4_512(J, bh, r4, kb + rng[2] * kst, kst, rng[3], sbuf + ((blk + 1) & 1) * BS, vb + rng[0] * vst,
+                         vst, rng[1], sbuf + (blk & 1) * BS, ss, acc, bf);
+            continue;
         }
+#endif
+        if (uni && tile) {
+            if (!perm) perm16(acc, R * Dv, 1), perm = 1;
+            block_tile_bf(qp, R, D, Dv, kb + rng[2] * kst, kst, rng[3], sbuf + ((blk + 1) & 1) * BS, vb + rng[0] * vst,
+                          vst, rng[1], sbuf + (blk & 1) * BS, ss, acc);
+            continue;
+        }
+        if (perm) perm16(acc, R * Dv, 0), perm = 0;
         if (r4) {
             const int64_t nv = rng[1], nk = rng[3];
             const char *K = kb + rng[2] * kst, *V = vb + rng[0] * vst;
             float *sc = sbuf + (blk & 1) * BS, *sn = sbuf + ((blk + 1) & 1) * BS;
-            const int64_t ss = 2 * BS;
             int64_t i = 0;
-#ifdef HAVE_AVX512
-#ifdef HAVE_BF16DP
-            if (bf ? J->qb && D % 32 == 0 : D % 16 == 0) {
-#else
-            if (!bf && D % 16 == 0) {
-#endif
-                block_r4_512(J, bh, r4, K, kst, nk, sn, V, vst, nv, sc, ss, acc, bf);
-                continue;
-            }
-#endif
             if (r4 == R && bf) /* float32: two interleaved rows stream slower than one */
                 for (; i + 2 <= nk && i + 2 <= nv; i += 2)
                     for (int64_t r = 0; r < r4; r += 4)
@@ -881,10 +1044,15 @@ static inline __attribute__((always_inline)) void run_task_fast_x(const job_t *J
                     axpy1_x(acc + r * Dv, V, Dv, sc[i], bf);
             }
     }
+    if (perm) perm16(acc, R * Dv, 0);
 }
 
-static void run_task_fast_f32(const job_t *J, int64_t t, float *sbuf, int64_t *rng) { run_task_fast_x(J, t, sbuf, rng, 0); }
-static void run_task_fast_bf16(const job_t *J, int64_t t, float *sbuf, int64_t *rng) { run_task_fast_x(J, t, sbuf, rng, 1); }
+static void run_task_fast_f32(const job_t *J, int64_t t, float *sbuf, int64_t *rng, float *qp) {
+    run_task_fast_x(J, t, sbuf, rng, qp, 0);
+}
+static void run_task_fast_bf16(const job_t *J, int64_t t, float *sbuf, int64_t *rng, float *qp) {
+    run_task_fast_x(J, t, sbuf, rng, qp, 1);
+}
 #endif
 
 typedef struct {
@@ -900,11 +1068,12 @@ static void *worker(void *arg) {
     /* scores: 2 blocks per row (+1 spare) */
     float *kbuf = NULL, *vbuf = NULL, *sbuf = (float *)malloc(sizeof(float) * (BS * 2 * (J->R + 1) + 16));
     int64_t *ivs = (int64_t *)malloc(sizeof(int64_t) * 4 * (J->R + 1));
+    float *qp = (float *)malloc(sizeof(float) * J->R * J->D); /* bf16 tiles: q in even/odd order */
     if (J->dtype != DT_F32) {
         kbuf = (float *)malloc(sizeof(float) * BS * J->D);
         vbuf = (float *)malloc(sizeof(float) * BS * J->Dv);
     }
-    if (!sbuf || !ivs || (J->dtype != DT_F32 && (!kbuf || !vbuf))) {
+    if (!sbuf || !ivs || !qp || (J->dtype != DT_F32 && (!kbuf || !vbuf))) {
         w->err = 1;
     } else {
         /* contiguous ranges of tasks per thread: neighbouring S splits stay on one core */
@@ -913,9 +1082,9 @@ static void *worker(void *arg) {
 #ifdef HAVE_AVX2
         const int fast = J->D % 8 == 0 && J->Dv % 8 == 0 && J->dtype != DT_F16;
         if (fast && J->dtype == DT_F32)
-            for (int64_t t = t0; t < t1; t++) run_task_fast_f32(J, t, sbuf, ivs);
+            for (int64_t t = t0; t < t1; t++) run_task_fast_f32(J, t, sbuf, ivs, qp);
         else if (fast)
-            for (int64_t t = t0; t < t1; t++) run_task_fast_bf16(J, t, sbuf, ivs);
+            for (int64_t t = t0; t < t1; t++) run_task_fast_bf16(J, t, sbuf, ivs, qp);
         else
 #endif
             for (int64_t t = t0; t < t1; t++) run_task(J, t, kbuf, vbuf, sbuf, ivs);
@@ -924,6 +1093,7 @@ static void *worker(void *arg) {
     free(vbuf);
     free(sbuf);
     free(ivs);
+    free(qp);
     return NULL;
 }
 
