@@ -266,6 +266,14 @@ def test_row_groups_head_dims_and_tails(dtype):
             assert (lse.double() - ref_l).abs().max() < 2e-5, (D, R, q.dtype)
 
 
+def test_bf16_tiles_where_measured():
+    """The bf16 register tiles are built exactly for AVX2 CPUs without AVX-512 (where they were
+    measured faster); test_grid_vs_float64 and test_row_groups_head_dims_and_tails run them there
+    (uniform blocks, and blocks whose rows differ, which switch the accumulators' order)."""
+    f = DC.kernel_features()
+    assert ("bf16tiles" in f) == ("avx2" in f and "avx512" not in f), f
+
+
 def test_auto_bf16_row_limit_follows_kernel_features(monkeypatch):
     from treeattn.ops.attention import _DECODE_MAX_ROWS_BF16DP, _pick_backend
 

@@ -1098,11 +1098,11 @@ static void *worker(void *arg) {
 }
 
 /* Which fast paths this build has: bit 0 AVX2+FMA, bit 1 AVX512-BF16 (bf16 dot products),
- * bit 2 AVX-512 (block_r4_512). */
+ * bit 2 AVX-512 (block_r4_512), bit 3 bf16 register tiles (block_tile_bf, AVX2-only builds). */
 int treeattn_features(void) {
     int f = 0;
 #ifdef HAVE_AVX2
-    f |= 1;
+    f |= 1 | (TILE_BF16 ? 8 : 0);
 #endif
 #ifdef HAVE_AVX512
     f |= 4;

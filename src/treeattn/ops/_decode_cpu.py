@@ -125,15 +125,16 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
 
 def _features(lib: ctypes.CDLL) -> list[str]:
     bits = lib.treeattn_features()
-    return [name for bit, name in ((1, "avx2"), (4, "avx512"), (2, "avx512bf16")) if bits & bit]
+    return [name for bit, name in ((1, "avx2"), (4, "avx512"), (2, "avx512bf16"), (8, "bf16tiles")) if bits & bit]
 
 
 def kernel_features() -> frozenset[str]:
     """Fast paths of the loaded kernel: ``"avx2"`` (float32/bfloat16, AVX2+FMA), ``"avx512"``
     (groups of 4 query rows per KV head with AVX-512: float32, and bfloat16 when the queries are
     bf16 and the CPU has AVX512-BF16) and
-    ``"avx512bf16"`` (bfloat16 queries and K/V with AVX512-BF16 dot products for the scores);
-    empty when the PyTorch fallback is in use."""
+    ``"avx512bf16"`` (bfloat16 queries and K/V with AVX512-BF16 dot products for the scores),
+    ``"bf16tiles"`` (bfloat16 K/V on AVX2 CPUs without AVX-512: rows that see the same keys
+    share register tiles over groups of keys); empty when the PyTorch fallback is in use."""
     _lib()
     return _state["features"]
 
