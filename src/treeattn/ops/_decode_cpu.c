@@ -12,7 +12,8 @@
  * runs (GQA) take block_r4_512: the value accumulators of two rows stay in registers over a
  * group of keys (one load/store per group, not per key, which bounded the AVX2 loop): float32
  * always, bfloat16 only with bf16 queries on CPUs with AVX512-BF16 (vdpbf16ps scores; other
- * bf16 cases take the AVX2 loop).  Generic path (fp16,
+ * bf16 cases take the AVX2 loop).  AVX2 builds without AVX-512 run bf16 rows that see the
+ * same keys as register tiles over groups of keys instead (block_tile_bf).  Generic path (fp16,
  * other head dims, no AVX2): blocks converted to float32 in L1, then plain loops.
  * Built on first use by _decode_cpu.py (gcc -O3 -march=native -fopenmp-simd). */
 #include <math.h>
