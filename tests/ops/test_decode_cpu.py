@@ -266,6 +266,23 @@ def test_row_groups_head_dims_and_tails(dtype):
             assert (lse.double() - ref_l).abs().max() < 2e-5, (D, R, q.dtype)
 
 
+@pytest.mark.parametrize("D,Dv,R", [(16, 16, 2), (48, 16, 7), (16, 80, 1), (128, 48, 3)])
+def test_bf16_tile_shapes(D, Dv, R):
+    """bf16 K/V (the register tiles on AVX2-only CPUs): 16-dim tails, value dim != key dim,
+    row counts off the 4- and 2-row tiles, uniform and differing rows; float64 reference."""
+    g = torch.Generator().manual_seed(D + Dv + R)
+    B, H, S = 2, 2, 700
+    qg = torch.randn(B, H, R, D, generator=g)
+    k = torch.randn(B, H, S, D, generator=g).to(torch.bfloat16)
+    v = torch.randn(B, H, S, Dv, generator=g).to(torch.bfloat16)
+    lo = torch.tensor([[0] * R, [3 * r for r in range(R)]])
+    hi = torch.tensor([[S] * R, [S - 9 - 70 * r for r in range(R)]])
+    ref_o, ref_l = ref_rows(qg, k, v, D**-0.5, lo, hi, None)
+    out, lse = decode_cpu(qg, k, v, D**-0.5, lo, hi)
+    assert (out.double() - ref_o).abs().max() < 2e-5
+    assert (lse.double() - ref_l).abs().max() < 2e-5
+
+
 def test_bf16_tiles_where_measured():
     """The bf16 register tiles are built exactly for AVX2 CPUs without AVX-512 (where they were
     measured faster); test_grid_vs_float64 and test_row_groups_head_dims_and_tails run them there

@@ -13,7 +13,7 @@
  * group of keys (one load/store per group, not per key, which bounded the AVX2 loop): float32
  * always, bfloat16 only with bf16 queries on CPUs with AVX512-BF16 (vdpbf16ps scores; other
  * bf16 cases take the AVX2 loop).  AVX2 builds without AVX-512 run bf16 rows that see the
- * same keys as register tiles over groups of keys instead (block_tile_bf).  Generic path (fp16,
+ * same keys as register tiles over groups of keys instead (block_tile_bf; D, Dv % 16 == 0).  Generic path (fp16,
  * other head dims, no AVX2): blocks converted to float32 in L1, then plain loops.
  * Built on first use by _decode_cpu.py (gcc -O3 -march=native -fopenmp-simd). */
 #include <math.h>
@@ -983,6 +983,7 @@ static inline __attribute__((always_inline)) void run_task_fast_x(const job_t *J
                   rng[4 * r + 3] == rng[3];
         const int64_t r4 = uni && D == Dv && R >= 4 ? R / 4 * 4 : 0;
         const int64_t ss = 2 * BS;
+        float *sc = sbuf + (blk & 1) * BS, *sn = sbuf + ((blk + 1) & 1) * BS; /* this block's, the next's */
 #ifdef HAVE_AVX512
 #ifdef HAVE_BF16DP
         if (r4 && (bf ? J->qb && D % 32 == 0 : D % 16 == 0)) {
@@ -990,22 +991,19 @@ static inline __attribute__((always_inline)) void run_task_fast_x(const job_t *J
         if (r4 && !bf && D % 16 == 0) {
 #endif
             if (perm) perm16(acc, R * Dv, 0), perm = 0;
-            block_r4_512(J, bh, r4, kb + rng[2] * kst, kst, rng[3], sbuf + ((blk + 1) & 1) * BS, vb + rng[0] * vst,
-                         vst, rng[1], sbuf + (blk & 1) * BS, ss, acc, bf);
+            block_r4_512(J, bh, r4, kb + rng[2] * kst, kst, rng[3], sn, vb + rng[0] * vst, vst, rng[1], sc, ss, acc, bf);
             continue;
         }
 #endif
         if (uni && tile) {
             if (!perm) perm16(acc, R * Dv, 1), perm = 1;
-            block_tile_bf(qp, R, D, Dv, kb + rng[2] * kst, kst, rng[3], sbuf + ((blk + 1) & 1) * BS, vb + rng[0] * vst,
-                          vst, rng[1], sbuf + (blk & 1) * BS, ss, acc);
+            block_tile_bf(qp, R, D, Dv, kb + rng[2] * kst, kst, rng[3], sn, vb + rng[0] * vst, vst, rng[1], sc, ss, acc);
             continue;
         }
         if (perm) perm16(acc, R * Dv, 0), perm = 0;
         if (r4) {
             const int64_t nv = rng[1], nk = rng[3];
             const char *K = kb + rng[2] * kst, *V = vb + rng[0] * vst;
-            float *sc = sbuf + (blk & 1) * BS, *sn = sbuf + ((blk + 1) & 1) * BS;
             int64_t i = 0;
             if (r4 == R && bf) /* float32: two interleaved rows stream slower than one */
                 for (; i + 2 <= nk && i + 2 <= nv; i += 2)
@@ -1056,6 +1054,10 @@ static void run_task_fast_bf16(const job_t *J, int64_t t, float *sbuf, int64_t *
 }
 #endif
 
+#ifndef TILE_BF16
+#define TILE_BF16 0 /* no AVX2 */
+#endif
+
 typedef struct {
     const job_t *J;
     int tid;
@@ -1069,12 +1071,13 @@ static void *worker(void *arg) {
     /* scores: 2 blocks per row (+1 spare) */
     float *kbuf = NULL, *vbuf = NULL, *sbuf = (float *)malloc(sizeof(float) * (BS * 2 * (J->R + 1) + 16));
     int64_t *ivs = (int64_t *)malloc(sizeof(int64_t) * 4 * (J->R + 1));
-    float *qp = (float *)malloc(sizeof(float) * J->R * J->D); /* bf16 tiles: q in even/odd order */
+    /* bf16 tiles: q in even/odd order */
+    float *qp = TILE_BF16 && J->dtype == DT_BF16 ? (float *)malloc(sizeof(float) * J->R * J->D) : NULL;
     if (J->dtype != DT_F32) {
         kbuf = (float *)malloc(sizeof(float) * BS * J->D);
         vbuf = (float *)malloc(sizeof(float) * BS * J->Dv);
     }
-    if (!sbuf || !ivs || !qp || (J->dtype != DT_F32 && (!kbuf || !vbuf))) {
+    if (!sbuf || !ivs || (TILE_BF16 && J->dtype == DT_BF16 && !qp) || (J->dtype != DT_F32 && (!kbuf || !vbuf))) {
         w->err = 1;
     } else {
         /* contiguous ranges of tasks per thread: neighbouring S splits stay on one core */
