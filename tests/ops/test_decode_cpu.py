@@ -266,10 +266,11 @@ def test_row_groups_head_dims_and_tails(dtype):
             assert (lse.double() - ref_l).abs().max() < 2e-5, (D, R, q.dtype)
 
 
-@pytest.mark.parametrize("D,Dv,R", [(16, 16, 2), (48, 16, 7), (16, 80, 1), (128, 48, 3)])
+@pytest.mark.parametrize("D,Dv,R", [(16, 16, 2), (48, 16, 7), (16, 80, 1), (128, 48, 3), (48, 48, 1), (16, 16, 1)])
 def test_bf16_tile_shapes(D, Dv, R):
-    """bf16 K/V (the register tiles on AVX2-only CPUs): 16-dim tails, value dim != key dim,
-    row counts off the 4- and 2-row tiles, uniform and differing rows; float64 reference."""
+    """bf16 K/V (the register tiles and the 1-row loop on AVX2-only CPUs): 16-dim tails, value
+    dim != key dim, row counts off the 4- and 2-row tiles, uniform and differing rows; float64
+    reference."""
     g = torch.Generator().manual_seed(D + Dv + R)
     B, H, S = 2, 2, 700
     qg = torch.randn(B, H, R, D, generator=g)
