@@ -935,8 +935,8 @@ static inline __attribute__((always_inline)) void block_r4_512(const job_t *J, i
 }
 #endif
 
-/* bfloat16 tiles (block_tile_bf) where they were measured: AVX2-only CPUs (1.2-1.6x the per-key
- * loops on a Zen 1 EPYC); AVX-512 builds keep their own measured routing */
+/* bfloat16 tiles (block_tile_bf, row1_eo) where they were measured: AVX2-only CPUs (1.2-1.6x
+ * the per-key loops on a Zen 1 EPYC); AVX-512 builds keep their own measured routing */
 #ifdef HAVE_AVX512
 #define TILE_BF16 0
 #else

@@ -259,7 +259,8 @@ def _pick_backend(q: Tensor, k: Tensor, v: Tensor) -> str:
     #   fp32   3.8    1.9-2.1  1.5-1.6  1.1-1.2  0.92-0.95  1.0-1.05  1.0-1.15
     #   bf16   9.7-10.8  3.6-3.9  1.9-2.2  1.3-1.4  1.1-1.2  1.3-1.4  1.4-1.5
     #   (fp32 limit 16: at 32 rows flash_cpu was ahead in every sweep; beyond, within noise)
-    #   AVX2-only Zen 1 EPYC (2026-11-24, loadavg ~1, two sweeps; bf16 with the register tiles):
+    #   AVX2-only Zen 1 EPYC (2026-11-24, loadavg ~1, two sweeps; bf16 with the register tiles,
+    #   1 row before row1_eo, which is 1.2x faster again):
     #   fp32   1.80-1.83  2.05-2.08  1.33-1.39  0.93-0.99  0.70-0.73  0.71  0.71-0.73
     #   bf16   6.3-7.0    1.75-1.81  1.24-1.33  1.02-1.07  0.85-0.88  0.88-0.92  0.88-0.93
     # flash_cpu: at least as fast as the grouped matmul path in float32/float64 and much
