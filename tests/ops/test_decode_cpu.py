@@ -117,16 +117,17 @@ def test_gap_between_row_ranges_is_never_read():
         assert max_err(o, ro) < 1e-2 and max_err(l, rl) < 1e-4
 
 
-def test_threads_split_matches_one_thread(monkeypatch):
+@pytest.mark.parametrize("dtype,R", [(torch.float32, 4), (torch.bfloat16, 1), (torch.bfloat16, 4)])
+def test_threads_split_matches_one_thread(monkeypatch, dtype, R):
     monkeypatch.setattr(DC, "_MIN_BYTES_PER_THREAD", 0)
     monkeypatch.setattr(DC, "_MIN_SPLIT", 64)
-    qg = torch.randn(1, 1, 4, 64)
-    k, v = torch.randn(1, 1, 5000, 64), torch.randn(1, 1, 5000, 64)
+    qg = torch.randn(1, 1, R, 64)
+    k, v = torch.randn(1, 1, 5000, 64).to(dtype), torch.randn(1, 1, 5000, 64).to(dtype)
     o1, l1 = decode_cpu(qg, k, v, 0.1, threads=1)
     for t in (2, 3, 7):
         o, l = decode_cpu(qg, k, v, 0.1, threads=t)
         assert (o - o1).abs().max() < 1e-5 and (l - l1).abs().max() < 1e-5
-    ro, rl = ref_rows(qg, k, v, 0.1, torch.zeros(1, 4, dtype=torch.long), torch.full((1, 4), 5000), None)
+    ro, rl = ref_rows(qg, k, v, 0.1, torch.zeros(1, R, dtype=torch.long), torch.full((1, R), 5000), None)
     assert max_err(o1, ro) < 1e-5 and max_err(l1, rl) < 1e-5
 
 
