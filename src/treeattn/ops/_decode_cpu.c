@@ -602,43 +602,47 @@ static inline __attribute__((always_inline)) void val_tile_bf(float *o, int64_t 
 #ifndef PF_EO
 #define PF_EO 4096
 #endif
+/* key i of row1_eo: score into *s (dok), value with weight p into o (dov); 32 dims a step with
+ * two pairs of score chains (FMA latency), a 16-dim tail */
+#define ROW1_HALF(d, a0, a1)                                                                          \
+    do {                                                                                              \
+        if (dok) {                                                                                    \
+            LDEO(k + (d), e, od);                                                                     \
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + (d)), e, a0);                                    \
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + (d) + 8), od, a1);                               \
+        }                                                                                             \
+        if (dov) {                                                                                    \
+            LDEO(v + (d), e, od);                                                                     \
+            _mm256_storeu_ps(o + (d), _mm256_fmadd_ps(w, e, _mm256_loadu_ps(o + (d))));               \
+            _mm256_storeu_ps(o + (d) + 8, _mm256_fmadd_ps(w, od, _mm256_loadu_ps(o + (d) + 8)));       \
+        }                                                                                             \
+    } while (0)
+static inline __attribute__((always_inline)) void row1_key(const float *q, int64_t D, const uint16_t *k, float *s,
+                                                           float *o, const uint16_t *v, float p, const int dok,
+                                                           const int dov) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, e, od;
+    const __m256 w = _mm256_set1_ps(p);
+    for (int64_t d = 0; d < D; d += 32) {
+        if (dok) _mm_prefetch((const char *)(k + d) + PF_EO, _MM_HINT_T0);
+        if (dov) _mm_prefetch((const char *)(v + d) + PF_EO, _MM_HINT_T0);
+        ROW1_HALF(d, a0, a1);
+        if (d + 16 >= D) break;
+        ROW1_HALF(d + 16, a2, a3);
+    }
+    if (dok) *s = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+}
+#undef ROW1_HALF
+
 static void row1_eo(const float *q, int64_t D, const char *K, int64_t kst, int64_t nk, float *s, float *o,
                     const char *V, int64_t vst, int64_t nv, const float *p) {
     for (int64_t i = 0; i < nk || i < nv; i++) {
         const uint16_t *k = (const uint16_t *)(K + i * kst), *v = (const uint16_t *)(V + i * vst);
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, e, od;
-        if (i < nk && i < nv) {
-            const __m256 w = _mm256_set1_ps(p[i]);
-            for (int64_t d = 0; d < D; d += 32) {
-                _mm_prefetch((const char *)(k + d) + PF_EO, _MM_HINT_T0);
-                _mm_prefetch((const char *)(v + d) + PF_EO, _MM_HINT_T0);
-                LDEO(k + d, e, od);
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), e, a0), a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), od, a1);
-                LDEO(v + d, e, od);
-                _mm256_storeu_ps(o + d, _mm256_fmadd_ps(w, e, _mm256_loadu_ps(o + d)));
-                _mm256_storeu_ps(o + d + 8, _mm256_fmadd_ps(w, od, _mm256_loadu_ps(o + d + 8)));
-                if (d + 16 >= D) break;
-                LDEO(k + d + 16, e, od);
-                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 16), e, a2), a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 24), od, a3);
-                LDEO(v + d + 16, e, od);
-                _mm256_storeu_ps(o + d + 16, _mm256_fmadd_ps(w, e, _mm256_loadu_ps(o + d + 16)));
-                _mm256_storeu_ps(o + d + 24, _mm256_fmadd_ps(w, od, _mm256_loadu_ps(o + d + 24)));
-            }
-            s[i] = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-        } else if (i < nk) {
-            for (int64_t d = 0; d < D; d += 16) {
-                LDEO(k + d, e, od);
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), e, a0), a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), od, a1);
-            }
-            s[i] = hsum8(_mm256_add_ps(a0, a1));
-        } else {
-            const __m256 w = _mm256_set1_ps(p[i]);
-            for (int64_t d = 0; d < D; d += 16) {
-                LDEO(v + d, e, od);
-                _mm256_storeu_ps(o + d, _mm256_fmadd_ps(w, e, _mm256_loadu_ps(o + d)));
-                _mm256_storeu_ps(o + d + 8, _mm256_fmadd_ps(w, od, _mm256_loadu_ps(o + d + 8)));
-            }
-        }
+        if (i < nk && i < nv)
+            row1_key(q, D, k, s + i, o, v, p[i], 1, 1);
+        else if (i < nk)
+            row1_key(q, D, k, s + i, o, v, 0.0f, 1, 0);
+        else
+            row1_key(q, D, k, s + i, o, v, p[i], 0, 1);
     }
 }
 
