@@ -171,6 +171,33 @@ def test_non_tensor_is_type_error():
         attention_with_lse(q, k.tolist(), v)
 
 
+@pytest.mark.parametrize("backend", ["torch", "flash_cpu", "decode_cpu", "auto"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(8, 2), (2, 2)])  # 4 rows per KV head (bf16: the tiles), 1 row
+@pytest.mark.parametrize("poison", ["k nan", "k inf", "v nan"])
+def test_nonfinite_visible_key_propagates(backend, dtype, heads, poison):
+    """A NaN or inf in a key a row sees makes that row's out and lse NaN (as plain PyTorch
+    gives NaN), never a finite answer without that key; a NaN value reaches only the output
+    dims it is in. Rows that do not see it are bitwise the clean result."""
+    q, k, v = make(2, *heads, 1, 300, 32, dtype=dtype, seed=11)
+    clean = attention_with_lse(q, k, v, backend=backend)
+    key, G = 123, heads[0] // heads[1]
+    if poison == "k nan":
+        k[0, 0, key, 5] = float("nan")
+    elif poison == "k inf":  # +inf score for query head 0, +inf/-inf mixes (NaN) for the others
+        k[0, 0, key] = torch.where(q[0, 0, 0] > 0, float("inf"), float("-inf")).to(dtype)
+    else:
+        v[0, 0, key, 5] = float("nan")
+    out, lse = attention_with_lse(q, k, v, backend=backend)
+    if poison.startswith("k"):
+        assert out[0, :G].isnan().all() and lse[0, :G].isnan().all()
+    else:
+        assert out[0, :G, :, 5].isnan().all() and not out[0, :G, :, 6:].isnan().any()
+        assert torch.equal(lse[0, :G], clean[1][0, :G])
+    assert torch.equal(out[0, G:], clean[0][0, G:]) and torch.equal(lse[0, G:], clean[1][0, G:])
+    assert torch.equal(out[1], clean[0][1]) and torch.equal(lse[1], clean[1][1])
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("poison", [float("nan"), float("inf"), -float("inf")])
 def test_masked_keys_are_never_read(backend, poison):

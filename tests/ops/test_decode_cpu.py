@@ -131,6 +131,29 @@ def test_threads_split_matches_one_thread(monkeypatch, dtype, R):
     assert max_err(o1, ro) < 1e-5 and max_err(l1, rl) < 1e-5
 
 
+@pytest.mark.parametrize("dtype,R", [(torch.float32, 4), (torch.bfloat16, 1), (torch.bfloat16, 4)])
+@pytest.mark.parametrize("fallback", [False, True])
+def test_nan_key_in_one_split_poisons_its_rows(monkeypatch, dtype, R, fallback):
+    """A NaN key in one thread's part of S (or in the pure-PyTorch fallback) makes the rows
+    that see it NaN after the merge of the parts; rows that do not see it stay exact."""
+    monkeypatch.setattr(DC, "_MIN_BYTES_PER_THREAD", 0)
+    monkeypatch.setattr(DC, "_MIN_SPLIT", 64)
+    if fallback:
+        monkeypatch.setattr(DC, "_state", {})
+        monkeypatch.setenv("TREEATTN_NO_CKERNEL", "1")
+    qg = torch.randn(1, 2, R, 64)
+    k, v = torch.randn(1, 2, 5000, 64).to(dtype), torch.randn(1, 2, 5000, 64).to(dtype)
+    k[0, 0, 3900, 7] = float("nan")
+    lo, hi = torch.zeros(1, R, dtype=torch.long), torch.full((1, R), 5000)
+    hi[0, 0] = 3900  # row 0 stops just before the NaN key
+    ro, rl = ref_rows(qg[:, 1:], k[:, 1:], v[:, 1:], 0.1, lo, hi, None)
+    for t in (1, 3):
+        o, l = decode_cpu(qg, k, v, 0.1, lo, hi, threads=t)
+        assert o[0, 0, 1:].isnan().all() and l[0, 0, 1:].isnan().all()
+        assert torch.isfinite(o[0, 0, 0]).all() and torch.isfinite(l[0, 0, 0])
+        assert max_err(o[:, 1:], ro) < 1e-2 and max_err(l[:, 1:], rl) < 1e-4
+
+
 def test_strided_cache_slices_and_empty():
     """k/v as slices of a larger [B, S, H, D] cache (strided over S and H), and S = 0."""
     cache_k, cache_v = torch.randn(2, 500, 4, 64), torch.randn(2, 500, 4, 64)

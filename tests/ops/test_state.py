@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from treeattn import merge_states, merge_states_n
+from treeattn.ops.state import empty_state
 from treeattn.ops.energy import tree_reduce
 
 D = 8
@@ -99,15 +100,33 @@ def test_identity_and_empty():
     assert torch.equal(out, e_o) and torch.isneginf(lse).all() and not out.isnan().any()
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_nan_and_posinf_lse_are_empty(bad):
+@pytest.mark.parametrize("empty", [float("-inf"), float("inf")])
+def test_infinite_lse_is_empty(empty):
+    """-inf and +inf (flash-attn's mark of a row without keys) are empty, whatever the output."""
     o = torch.randn(5, D)
     l = torch.randn(5)
-    junk = torch.full((5, D), float("nan"))  # backends may pair a bad lse with NaN output
-    out, lse = merge_states(o, l, junk, torch.full((5,), bad))
+    junk = torch.full((5, D), float("nan"))
+    out, lse = merge_states(o, l, junk, torch.full((5,), empty))
     assert torch.equal(out, o) and torch.equal(lse, l)
-    out, lse = merge_states(junk, torch.full((5,), bad), junk, torch.full((5,), bad))
+    out, lse = merge_states(junk, torch.full((5,), empty), junk, torch.full((5,), empty))
     assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+def test_nan_lse_propagates():
+    """A NaN lse (a row that saw a NaN or inf key) makes exactly that row NaN, in every
+    position of the stack and next to empty states; the other rows are untouched."""
+    o = torch.randn(4, 5, D)
+    l = torch.randn(4, 5)
+    l[1, 2] = float("nan")
+    l[3] = float("-inf")
+    ref_o, ref_l = merge_states_n(o[:3], l[:3])  # state 3 is empty
+    out, lse = merge_states_n(o, l)
+    bad = torch.zeros(5, dtype=torch.bool)
+    bad[2] = True
+    assert out[bad].isnan().all() and lse[bad].isnan().all()
+    assert torch.allclose(out[~bad], ref_o[~bad]) and torch.allclose(lse[~bad], ref_l[~bad])
+    out, lse = merge_states(o[1], l[1], *empty_state((5, D)))
+    assert out[2].isnan().all() and lse[2].isnan() and not out[~bad].isnan().any()
 
 
 def test_half_inputs_merge_in_float32():

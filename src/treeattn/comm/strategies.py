@@ -124,7 +124,7 @@ def reduce_states(
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     _, p = world(group)
     out = out.float()
-    lse = torch.where(torch.isfinite(lse), lse.float(), float("-inf"))
+    lse = torch.where(lse == float("inf"), float("-inf"), lse.float())  # NaN (undefined) propagates
     if p == 1:
         return out, lse
     topology = topology if topology is not None else Topology.from_env()
@@ -164,10 +164,10 @@ def _hierarchical(out: Tensor, lse: Tensor, group, topology: Topology | None) ->
 
 
 def _allreduce(out: Tensor, lse: Tensor, group, packed: bool) -> tuple[Tensor, Tensor]:
-    m = all_reduce(lse.clone(), dist.ReduceOp.MAX, group)
+    m = all_reduce(torch.where(torch.isnan(lse), float("-inf"), lse), dist.ReduceOp.MAX, group)
     m = torch.where(torch.isinf(m), 0.0, m)  # every rank empty: lse stays -inf below
-    w = torch.exp(lse - m)
-    num = torch.where(w.unsqueeze(-1) > 0, out * w.unsqueeze(-1), 0.0)
+    w = torch.exp(lse - m)  # 0 empty, NaN undefined (a NaN lse): it reaches every rank's sums
+    num = torch.where(w.unsqueeze(-1) == 0, 0.0, out * w.unsqueeze(-1))
     if packed:
         buf = all_reduce(torch.cat([num, w.unsqueeze(-1)], -1), dist.ReduceOp.SUM, group)
         num, den = buf[..., :-1], buf[..., -1]

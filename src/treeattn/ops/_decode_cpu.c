@@ -102,7 +102,7 @@ static inline void axpy4_avx2(float *o, const float *v, int64_t vs, int64_t Dv, 
     }
 }
 static inline __m256 exp8_neg(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x); /* in this order a NaN score stays NaN */
     __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
     r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
@@ -1251,6 +1251,9 @@ int treeattn_decode(const float *q, const uint16_t *qb, float scale, const void 
                     float inv = (float)(1.0 / L);
                     for (int64_t d = 0; d < Dv; d++) o[d] *= inv;
                     lse[bh * R + r] = M + (float)log(L);
+                } else if (L != L) { /* a NaN (or an inf - inf) among the row's visible scores */
+                    for (int64_t d = 0; d < Dv; d++) o[d] = NAN;
+                    lse[bh * R + r] = NAN;
                 } else {
                     memset(o, 0, sizeof(float) * Dv);
                     lse[bh * R + r] = -INFINITY;

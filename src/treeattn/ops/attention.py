@@ -142,6 +142,10 @@ def attention_with_lse(
         ``(out, lse)``: ``out [B, Hq, Tq, Dv]`` in q's dtype and ``lse [B, Hq, Tq]``
         float32 (float64 for float64 inputs), natural log of the softmax denominator of
         the *scaled* (and softcapped) scores. A row with no visible key has out 0 and lse -inf.
+        A row with a NaN or +inf score (a NaN or inf in a key it sees) gets out and lse NaN on
+        every backend, and a NaN or inf in a value it weighs reaches its out, as in plain
+        PyTorch; keys a row does not see are never read, so masked or unused slots may hold
+        anything.
 
     Raises:
         ValueError: bad shapes, dtypes, devices, kv_lens or kv_start out of range, a
@@ -233,6 +237,8 @@ def _attention(
         out, lse = _flash_cpu(qg, k, v, scale, lo, hi, vis)
     else:
         out, lse = _chunked(qg, k, v, scale, lo, hi, vis, seq, softcap)
+    # +inf (an inf score) is as undefined as NaN; a state's +inf lse would read as empty
+    lse = torch.where(lse == float("inf"), float("nan"), lse)
     return out.to(acc if keep_fp32 else q.dtype).reshape(B, Hq, Tq, Dv), lse.reshape(B, Hq, Tq)
 
 
@@ -423,5 +429,6 @@ def _flash_cpu(
         empty = empty.expand_as(lse)
         lse = lse.masked_fill(empty, float("-inf"))
         out = out.masked_fill(empty.unsqueeze(-1), 0.0)
-    lse = lse.to(torch.float64 if qg.dtype == torch.float64 else torch.float32)
-    return out, torch.where(torch.isnan(lse) | (lse == float("inf")), float("-inf"), lse)
+    # an inf score: lse +inf, out NaN in float32 but 0 in bfloat16; undefined either way
+    out = out.masked_fill(((lse == float("inf")) | lse.isnan()).unsqueeze(-1), float("nan"))
+    return out, lse.to(torch.float64 if qg.dtype == torch.float64 else torch.float32)

@@ -51,7 +51,10 @@ def merge_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> 
     Args:
         out_a, out_b: ``[..., D]`` attention outputs, any float dtype; broadcastable.
         lse_a, lse_b: ``[...]`` log-sum-exp of the scores (natural log), any float dtype.
-            NaN and +inf are treated as -inf (an empty state).
+            -inf and +inf mean an empty state (+inf: flash-attn's mark of a row without
+            keys); the output of an empty state is ignored, NaN or not. NaN means an
+            undefined state (:func:`attention_with_lse` gives it to a row that sees a NaN
+            or inf key) and propagates: the merged row is NaN.
 
     Returns:
         ``(out, lse)``: ``out [..., D]`` and ``lse [...]``, both float32 (float64 if any
@@ -69,7 +72,8 @@ def merge_states_n(out: Tensor, lse: Tensor, dim: int = 0) -> tuple[Tensor, Tens
 
     Args:
         out: ``[..., N, ..., D]`` stacked outputs (N at ``dim``; ``dim`` must not be the last).
-        lse: ``out.shape[:-1]`` stacked log-sum-exps; NaN/+inf are treated as empty.
+        lse: ``out.shape[:-1]`` stacked log-sum-exps; +inf and -inf are empty, NaN
+            propagates (as in :func:`merge_states`).
         dim: the stacking dimension (of ``lse``; negative values count from lse's end).
 
     Returns:
@@ -80,7 +84,9 @@ def merge_states_n(out: Tensor, lse: Tensor, dim: int = 0) -> tuple[Tensor, Tens
         raise ValueError(f"merge_states_n: out.shape[:-1] {tuple(out.shape[:-1])} != lse.shape {tuple(lse.shape)}")
     dim = dim % lse.ndim
     acc = _acc_dtype(out, lse)
-    lse = normalize_lse(lse).to(acc)
+    lse = lse.to(acc)
+    undefined = torch.isnan(lse).any(dim) if lse.shape[dim] else None
+    lse = torch.where(torch.isfinite(lse), lse, float("-inf"))
     m = lse.amax(dim, keepdim=True) if lse.shape[dim] else lse.sum(dim, keepdim=True) + float("-inf")
     m = torch.where(torch.isinf(m), 0.0, m)  # all-empty rows: any finite shift works
     w = torch.exp(lse - m)  # 0 for empty states, <= 1 otherwise
@@ -88,4 +94,8 @@ def merge_states_n(out: Tensor, lse: Tensor, dim: int = 0) -> tuple[Tensor, Tens
     w_ = w.unsqueeze(-1)
     num = torch.where(w_ > 0, w_ * out.to(acc), 0.0).sum(dim)  # empty states may carry NaN out
     out_m = num / torch.where(s > 0, s, 1.0).unsqueeze(-1)
-    return out_m, m.squeeze(dim) + torch.log(s)
+    lse_m = m.squeeze(dim) + torch.log(s)
+    if undefined is not None:
+        out_m = out_m.masked_fill(undefined.unsqueeze(-1), float("nan"))
+        lse_m = lse_m.masked_fill(undefined, float("nan"))
+    return out_m, lse_m
