@@ -4,7 +4,8 @@
 - logits up to +-1e4 and scale up to 100, tree_decode (every strategy) and ring_decode at
   p = 3, with an empty shard, ragged kv_lens and shards whose lse differ by ~2e4;
 - unused cache capacity and padding poisoned with NaN/+-inf at p = 2: outputs bitwise equal
-  to the clean run;
+  to the clean run; a NaN in a *visible* key on one rank makes exactly the rows that see it
+  NaN on every rank;
 - identical inputs give bitwise identical outputs across runs (allgather, ring_decode);
 - 512 consecutive decode steps through a ShardedKVCache at p = 2 (bfloat16): every step
   within tolerance, no drift;
@@ -204,6 +205,21 @@ def poisoned_capacity(group, rank: int) -> dict:
                     out, lse = _decode(s, q, kk, vv, group, p, kv_lens=kl)
                     same = torch.equal(out, want[s][0]) and torch.equal(lse, want[s][1])
                     res[f"poison {dname} {pname} {view} {s}"] = {"bitwise equal": same}
+        # a NaN in a key that sequence 0 sees, on rank 1 only: that sequence's rows of KV
+        # head 0 come back NaN on every rank (not a finite answer without the key); the
+        # other rows are bitwise the clean result
+        kn = k0.clone()
+        if rank == 1:
+            kn[0, 0, 0, 3] = float("nan")
+        for s in STRATEGIES:
+            out, lse = _decode(s, q, kn, v0, group, p, kv_lens=kl0)
+            w_out, w_lse = want[s]
+            res[f"visible nan {dname} {s}"] = {
+                "key visible": int(kl0[0]) > 0,
+                "rows nan": bool(out[0, :2].isnan().all() and lse[0, :2].isnan().all()),
+                "others equal": torch.equal(out[0, 2:], w_out[0, 2:]) and torch.equal(lse[0, 2:], w_lse[0, 2:])
+                and torch.equal(out[1], w_out[1]) and torch.equal(lse[1], w_lse[1]),
+            }
     return res
 
 
@@ -383,6 +399,14 @@ def test_poisoned_capacity_is_never_read(dtype, poison, view, results):
     for r in range(2):
         for s in STRATEGIES:
             assert results[r][f"poison {dtype} {poison} {view} {s}"]["bitwise equal"], f"rank {r} {s}"
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_visible_nan_key_on_one_rank_poisons_its_rows(dtype, strategy, results):
+    for r in range(2):
+        e = results[r][f"visible nan {dtype} {strategy}"]
+        assert e["key visible"] and e["rows nan"] and e["others equal"], f"rank {r}: {e}"
 
 
 def test_512_decode_steps_within_tolerance_no_drift(results):
