@@ -8,9 +8,17 @@ import time
 
 import torch
 
+from ._argtypes import at_least
 from ._host import available_memory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _heads_ok(cmd: str, heads: int, kv_heads: int) -> bool:
+    if heads % kv_heads:
+        print(f"treeattn {cmd}: --kv-heads {kv_heads} must divide --heads {heads}", file=sys.stderr)
+        return False
+    return True
 
 
 def _core_demo(a: argparse.Namespace) -> int:
@@ -18,6 +26,8 @@ def _core_demo(a: argparse.Namespace) -> int:
     from .ops.energy import tree_reduce
     from .ops.state import merge_states
 
+    if not _heads_ok("merge-demo", a.heads, a.kv_heads):
+        return 2
     torch.set_num_threads(a.threads)
     dtype = DTYPES[a.dtype]
     g = torch.Generator().manual_seed(0)
@@ -53,6 +63,8 @@ def _demo(a: argparse.Namespace) -> int:
     from .demo import worker
     from .launch import LaunchError, launch
 
+    if not _heads_ok("demo", a.heads, a.kv_heads or a.heads):
+        return 2
     kv = a.seq * (a.kv_heads or a.heads) * a.dim * 2 * DTYPES[a.dtype].itemsize
     need = 4 * kv  # the shards, ring's two receive buffers per rank, rank 0's full copy for the reference
     avail = available_memory()
@@ -82,16 +94,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="treeattn", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="Tree vs Ring decoding over a sharded KV on local ranks (the main demo)")
-    d.add_argument("--nproc", type=int, default=2, help="ranks to launch (default 2)")
-    d.add_argument("--seq", type=int, default=1 << 18, help="total KV length (default 262144)")
-    d.add_argument("--heads", type=int, default=16)
-    d.add_argument("--kv-heads", type=int, default=None, help="default: --heads (MHA)")
-    d.add_argument("--dim", type=int, default=128)
+    d.add_argument("--nproc", type=at_least(1), default=2, help="ranks to launch (default 2)")
+    d.add_argument("--seq", type=at_least(1), default=1 << 18, help="total KV length (default 262144)")
+    d.add_argument("--heads", type=at_least(1), default=16, help="query heads (default 16)")
+    d.add_argument("--kv-heads", type=at_least(1), default=None, help="KV heads, dividing --heads (default: --heads, MHA)")
+    d.add_argument("--dim", type=at_least(1), default=128, help="head dim (default 128)")
     d.add_argument("--dtype", choices=list(DTYPES), default="float32")
-    d.add_argument("--reps", type=int, default=10, help="timed steps per method")
-    d.add_argument("--warmup", type=int, default=2)
-    d.add_argument("--threads", type=int, default=1, help="compute threads per rank")
-    d.add_argument("--timeout", type=float, default=1800.0)
+    d.add_argument("--reps", type=at_least(1), default=10, help="timed steps per method (default 10)")
+    d.add_argument("--warmup", type=at_least(0), default=2, help="untimed steps per method first (default 2)")
+    d.add_argument("--threads", type=at_least(1), default=1, help="compute threads per rank (default 1)")
+    d.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are stopped (default 1800)")
     d.set_defaults(func=_demo)
     try:
         from .hf.cli import add_parser
@@ -106,13 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench(sub)
     add_simulate(sub)
     d = sub.add_parser("merge-demo", help="tree merge of per-chunk attention states over a long KV (single process)")
-    d.add_argument("--seq", type=int, default=1 << 20, help="total KV length (default 1M)")
-    d.add_argument("--nproc", type=int, default=8, help="number of chunks p")
-    d.add_argument("--heads", type=int, default=8)
-    d.add_argument("--kv-heads", type=int, default=2)
-    d.add_argument("--dim", type=int, default=64)
+    d.add_argument("--seq", type=at_least(1), default=1 << 20, help="total KV length (default 1M)")
+    d.add_argument("--nproc", type=at_least(1), default=8, help="number of chunks p (default 8)")
+    d.add_argument("--heads", type=at_least(1), default=8, help="query heads (default 8)")
+    d.add_argument("--kv-heads", type=at_least(1), default=2, help="KV heads, dividing --heads (default 2)")
+    d.add_argument("--dim", type=at_least(1), default=64, help="head dim (default 64)")
     d.add_argument("--dtype", choices=list(DTYPES), default="float32")
-    d.add_argument("--threads", type=int, default=1)
+    d.add_argument("--threads", type=at_least(1), default=1, help="compute threads (default 1)")
     d.set_defaults(func=_core_demo)
     return p
 

@@ -114,3 +114,35 @@ def test_model_that_does_not_fit(capsys, monkeypatch):
     monkeypatch.setattr(models, "available_memory", lambda: 1 << 20)  # a host with 1 MiB free
     err = _run(capsys, "--preset", "tiny-llama", "--prompt-len", "64")
     assert "does not fit" in err and "GiB per rank" in err
+
+
+def test_compare_single_refuses_sampling(capsys):
+    err = _run(capsys, "--preset", "tiny-llama", "--sample", "--compare-single", "--max-new-tokens", "2")
+    assert "--compare-single checks greedy decoding" in err
+
+
+@pytest.mark.parametrize(
+    "cmd,args,text",
+    [
+        ("generate", ["--nproc", "0"], "--nproc: must be >= 1, got 0"),
+        ("generate", ["--nproc", "-1"], "--nproc: must be >= 1, got -1"),
+        ("generate", ["--prefill-chunk", "-5"], "--prefill-chunk: must be >= 0, got -5"),
+        ("generate", ["--strategy", "bogus"], "--strategy: invalid choice: 'bogus'"),
+        ("generate", ["--threads", "x"], "--threads: not an integer: 'x'"),
+        ("demo", ["--nproc", "0"], "--nproc: must be >= 1, got 0"),
+        ("demo", ["--seq", "0"], "--seq: must be >= 1, got 0"),
+        ("merge-demo", ["--nproc", "0"], "--nproc: must be >= 1, got 0"),
+    ],
+)
+def test_bad_numbers_exit_2_with_one_line(capsys, cmd, args, text):
+    """argparse's usage error (exit 2), not a traceback from inside a rank."""
+    with pytest.raises(SystemExit) as e:
+        main([cmd, *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and text in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("cmd", ["demo", "merge-demo"])
+def test_kv_heads_must_divide_heads(capsys, cmd):
+    assert main([cmd, "--heads", "8", "--kv-heads", "3", "--seq", "64"]) == 2
+    assert "--kv-heads 3 must divide --heads 8" in capsys.readouterr().err

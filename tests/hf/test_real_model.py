@@ -120,11 +120,13 @@ def test_cli_gguf_chat_streams_the_answer(smol):
     assert "identical to single-process model.generate" in r.stderr
     assert "prompt 37 tokens, 8 new tokens" in r.stderr and "tok/s" in r.stderr and "KV cache" in r.stderr
     assert "peak memory" in r.stderr
+    assert "past_key_values" not in r.stderr  # the cache keyword of this transformers version
 
 
 def test_cli_prompt_file_from_stdin_with_system(smol):
     r = _cli("--model", str(GGUF), "--chat", "--system", "You answer in one word.", "--prompt-file", "-",
              "--nproc", "2", "--placement", "contiguous", "--attention", "ring", "--compare-single",
-             "--max-new-tokens", "12", stdin=CHAT + "\n")  # fmt: skip
+             "--max-new-tokens", "12", "--no-stream", stdin=CHAT + "\n")  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout and "identical to single-process model.generate" in r.stderr
+    assert "tokens[" not in r.stdout  # --no-stream prints the text, as it would have streamed

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .._argtypes import at_least
+from ..comm.strategies import STRATEGIES
+
 PRESETS: dict[str, tuple[str, dict]] = {
     # tiny configs with random weights (GQA everywhere); "small" is for latency measurements
     "tiny-llama": ("llama", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)),
@@ -106,6 +109,8 @@ def prepare(a: argparse.Namespace, local_ranks: int) -> Job:
         raise UsageError("--chat needs --prompt or --prompt-file")
     if a.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+    if a.compare_single and a.sample:
+        raise UsageError("--compare-single checks greedy decoding against model.generate; drop --sample or it")
     model_dir, tok = None, None
     if a.model:
         from .models import ModelNotFound, resolve_model
@@ -209,6 +214,10 @@ def worker(a: argparse.Namespace, job: Job | None = None) -> None:
         from transformers import TextStreamer
 
         streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
+    if a.device == "cpu":  # load (under torchrun: build) the decode kernel before the timings start
+        from ..ops._decode_cpu import kernel_available
+
+        kernel_available()
     timings: dict = {}
     out = generate(
         model,
@@ -248,10 +257,13 @@ def worker(a: argparse.Namespace, job: Job | None = None) -> None:
         same[0] = int(torch.equal(ref, out))
     if rank != 0:
         return
-    if not stream:
+    if not stream:  # the text as it would have streamed (token ids without a tokenizer)
         for b in range(out.shape[0]):
-            text = f"  {tok.decode(out[b], skip_special_tokens=True)!r}" if tok is not None else ""
-            print(f"tokens[{b}]: {out[b].tolist()}{text}", flush=True)
+            if tok is not None and job.has_tokenizer:
+                head = f"--- sequence {b} ---\n" if out.shape[0] > 1 else ""
+                print(head + tok.decode(out[b], skip_special_tokens=True), flush=True)
+            else:
+                print(f"tokens[{b}]: {out[b].tolist()}", flush=True)
     n_new = out.shape[1]
     rate = f"{(n_new - 1) / float(t[2]):.1f} tok/s" if n_new > 1 and float(t[2]) > 0 else "- tok/s"
     mib = 2.0**20
@@ -285,7 +297,8 @@ def add_parser(sub) -> None:
     src = g.add_mutually_exclusive_group()
     src.add_argument(
         "--model",
-        help="a local model directory (safetensors), a .gguf file (converted once into ~/.cache/treeattn), or a hub "
+        help="a local model directory (safetensors), a .gguf file (converted once into ~/.cache/treeattn or "
+        "$TREEATTN_CACHE_DIR), or a hub "
         "id (from the local hub cache, else downloaded: config, tokenizer, safetensors)",
     )
     src.add_argument(
@@ -295,25 +308,25 @@ def add_parser(sub) -> None:
     pr.add_argument("--prompt", help="text (needs the model's tokenizer)")
     pr.add_argument("--prompt-file", help="a text file to use as the prompt (a long document); - reads stdin")
     pr.add_argument("--prompt-ids", help="comma-separated token ids")
-    pr.add_argument("--prompt-len", type=int, default=64, help="random prompt of this length (default 64)")
+    pr.add_argument("--prompt-len", type=at_least(1), default=64, help="random prompt of this length (default 64)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template (user turn)")
     g.add_argument("--system", help="system message for --chat")
-    g.add_argument("--batch", type=int, default=1, help="random prompts in the batch (with --prompt-len)")
-    g.add_argument("--nproc", type=int, default=2, help="local ranks to launch (ignored under torchrun)")
-    g.add_argument("--max-new-tokens", type=int, default=128, help="at most this many (stops at EOS; default 128)")
+    g.add_argument("--batch", type=at_least(1), default=1, help="random prompts in the batch (with --prompt-len)")
+    g.add_argument("--nproc", type=at_least(1), default=2, help="local ranks to launch (ignored under torchrun)")
+    g.add_argument("--max-new-tokens", type=at_least(1), default=128, help="at most this many (stops at EOS; default 128)")
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     g.add_argument("--attention", choices=["tree", "ring"], default="tree")
-    g.add_argument("--strategy", default="auto")
+    g.add_argument("--strategy", choices=STRATEGIES, default="auto", help="how tree attention merges across ranks (default auto: the cost model picks)")
     g.add_argument("--placement", choices=["interleaved", "contiguous"], default="interleaved")
-    g.add_argument("--block", type=int, default=1)
-    g.add_argument("--prefill-chunk", type=int, default=1024, help="prompt tokens per rank per prefill step (0: all)")
+    g.add_argument("--block", type=at_least(1), default=1, help="tokens per placement block of the sharded KV cache (default 1)")
+    g.add_argument("--prefill-chunk", type=at_least(0), default=1024, help="prompt tokens per rank per prefill step (0: all)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     g.add_argument("--sample", action="store_true", help="sample instead of greedy")
     g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-k", type=at_least(1), default=None)
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--threads", type=int, default=1)
+    g.add_argument("--threads", type=at_least(1), default=1, help="compute threads per rank (default 1)")
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, NCCL (torchrun)")
     g.add_argument("--timeout", type=float, default=3600.0)
     g.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming it")
@@ -346,6 +359,10 @@ def run(a: argparse.Namespace) -> int:
     except UsageError as e:
         print(f"treeattn generate: {e}", file=sys.stderr)
         return 2
+    if a.device == "cpu":  # build (or load) the decode kernel once here, not inside the ranks' timings
+        from ..ops._decode_cpu import kernel_available
+
+        kernel_available()
     try:
         launch(
             worker,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import time
 
 import torch
@@ -89,6 +90,13 @@ def _pad_id(model: torch.nn.Module, pad_token_id: int | None, eos: list[int]) ->
     if pad_token_id is None:
         pad_token_id = eos[0] if eos else 0  # as transformers: pad with the (first) EOS id
     return int(pad_token_id)
+
+
+def _cache_kw(decoder: torch.nn.Module, cache) -> dict:
+    """The cache keyword of the decoder's forward: ``cache`` (transformers >= 5.24, where
+    ``past_key_values`` is deprecated) or ``past_key_values``."""
+    names = inspect.signature(decoder.forward).parameters
+    return {"cache" if "cache" in names else "past_key_values": cache}
 
 
 def _checksum(t: Tensor) -> int:
@@ -294,7 +302,7 @@ def generate(
                 hidden = decoder(
                     input_ids=tok[:, None],
                     position_ids=pos[:, None].to(device),
-                    past_key_values=cache,
+                    **_cache_kw(decoder, cache),
                     use_cache=True,
                     treeattn_ctx=ctx,
                 ).last_hidden_state
@@ -384,7 +392,7 @@ def _prefill(decoder, cache, sharded, input_ids, lens, attention, strategy, grou
         hidden = decoder(
             input_ids=input_ids[:, idx.to(device)],
             position_ids=idx[None, :].expand(B, -1).to(device),
-            past_key_values=cache,
+            **_cache_kw(decoder, cache),
             use_cache=True,
             treeattn_ctx=ctx,
         ).last_hidden_state
