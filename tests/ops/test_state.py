@@ -156,3 +156,13 @@ def test_tree_reduce_depth():
     for p in range(1, 20):
         total, depth = tree_reduce([torch.tensor(float(i)) for i in range(p)], torch.add)
         assert total.item() == p * (p - 1) / 2 and depth == math.ceil(math.log2(p))
+
+
+def test_bad_arguments_are_named():
+    o, l = torch.randn(3, D), torch.randn(3)
+    with pytest.raises(ValueError, match=r"merge_states: lse_b must have out_b's shape without the last dim, got out_b \(3, 8\) and lse_b \(3, 1\)"):
+        merge_states(o, l, o, l[:, None])
+    with pytest.raises(TypeError, match="merge_states: lse_a must be a torch.Tensor, got list"):
+        merge_states(o, l.tolist(), o, l)
+    with pytest.raises(TypeError, match="torch.stack a list first"):
+        merge_states_n([o, o], [l, l])

@@ -60,7 +60,18 @@ def merge_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> 
         ``(out, lse)``: ``out [..., D]`` and ``lse [...]``, both float32 (float64 if any
         input is float64). ``(0, -inf)`` is the identity; merging two empty states gives
         ``(0, -inf)``, never NaN. Stable for any finite lse difference (e.g. ±1e4).
+
+    Raises:
+        TypeError: a non-tensor argument. ValueError: an lse whose shape is not its out's
+            without the last dim.
     """
+    for name, t in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"merge_states: {name} must be a torch.Tensor, got {type(t).__name__}")
+    for o, l, which in ((out_a, lse_a, "a"), (out_b, lse_b, "b")):
+        if o.ndim == 0 or o.shape[:-1] != l.shape:
+            raise ValueError(f"merge_states: lse_{which} must have out_{which}'s shape without the last dim, got "
+                             f"out_{which} {tuple(o.shape)} and lse_{which} {tuple(l.shape)}")  # fmt: skip
     return merge_states_n(
         torch.stack(torch.broadcast_tensors(out_a, out_b)),
         torch.stack(torch.broadcast_tensors(lse_a, lse_b)),
@@ -79,7 +90,16 @@ def merge_states_n(out: Tensor, lse: Tensor, dim: int = 0) -> tuple[Tensor, Tens
     Returns:
         ``(out, lse)`` with ``dim`` removed, float32 (float64 if an input is float64).
         N = 0 or all-empty inputs give ``(0, -inf)``.
+
+    Raises:
+        TypeError: out or lse not a tensor (e.g. a list of states: stack them first).
+        ValueError: ``lse.shape != out.shape[:-1]``.
     """
+    if not isinstance(out, Tensor) or not isinstance(lse, Tensor):
+        raise TypeError(
+            f"merge_states_n: out and lse must be stacked torch.Tensors (torch.stack a list first), got "
+            f"{type(out).__name__} and {type(lse).__name__}"
+        )
     if out.shape[:-1] != lse.shape:
         raise ValueError(f"merge_states_n: out.shape[:-1] {tuple(out.shape[:-1])} != lse.shape {tuple(lse.shape)}")
     dim = dim % lse.ndim
