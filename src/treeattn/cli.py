@@ -97,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--nproc", type=at_least(1), default=2, help="ranks to launch (default 2)")
     d.add_argument("--seq", type=at_least(1), default=1 << 18, help="total KV length (default 262144)")
     d.add_argument("--heads", type=at_least(1), default=16, help="query heads (default 16)")
-    d.add_argument("--kv-heads", type=at_least(1), default=None, help="KV heads, dividing --heads (default: --heads, MHA)")
+    d.add_argument(
+        "--kv-heads", type=at_least(1), default=None, help="KV heads, dividing --heads (default: --heads, MHA)"
+    )
     d.add_argument("--dim", type=at_least(1), default=128, help="head dim (default 128)")
     d.add_argument("--dtype", choices=list(DTYPES), default="float32")
     d.add_argument("--reps", type=at_least(1), default=10, help="timed steps per method (default 10)")

@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from treeattn import merge_states, merge_states_n
-from treeattn.ops.state import empty_state
 from treeattn.ops.energy import tree_reduce
+from treeattn.ops.state import empty_state
 
 D = 8
 NEG = float("-inf")
@@ -160,7 +160,10 @@ def test_tree_reduce_depth():
 
 def test_bad_arguments_are_named():
     o, l = torch.randn(3, D), torch.randn(3)
-    with pytest.raises(ValueError, match=r"merge_states: lse_b must have out_b's shape without the last dim, got out_b \(3, 8\) and lse_b \(3, 1\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"merge_states: lse_b must have out_b's shape without the last dim, got out_b \(3, 8\) and lse_b \(3, 1\)",
+    ):
         merge_states(o, l, o, l[:, None])
     with pytest.raises(TypeError, match="merge_states: lse_a must be a torch.Tensor, got list"):
         merge_states(o, l.tolist(), o, l)

@@ -217,8 +217,10 @@ def poisoned_capacity(group, rank: int) -> dict:
             res[f"visible nan {dname} {s}"] = {
                 "key visible": int(kl0[0]) > 0,
                 "rows nan": bool(out[0, :2].isnan().all() and lse[0, :2].isnan().all()),
-                "others equal": torch.equal(out[0, 2:], w_out[0, 2:]) and torch.equal(lse[0, 2:], w_lse[0, 2:])
-                and torch.equal(out[1], w_out[1]) and torch.equal(lse[1], w_lse[1]),
+                "others equal": torch.equal(out[0, 2:], w_out[0, 2:])
+                and torch.equal(lse[0, 2:], w_lse[0, 2:])
+                and torch.equal(out[1], w_out[1])
+                and torch.equal(lse[1], w_lse[1]),
             }
     return res
 

@@ -7,6 +7,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .._argtypes import at_least
 from ..launch import LaunchError, launch
 from .common import markdown, provenance, read_jsonl, write_results
 
@@ -86,42 +87,53 @@ def e2e(a) -> int:
 
 def add_parser(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks that reproduce the paper's claims (CSV/JSON/PNG + markdown)")
+    fmt = argparse.ArgumentDefaultsHelpFormatter
     bs = b.add_subparsers(dest="bench", required=True)
 
     def common(p, name):
         p.add_argument("--quick", action="store_true", help="small preset for smoke tests (< 1 min)")
-        p.add_argument("--out", default="results", help="output directory (default ./results)")
-        p.add_argument("--nproc", type=int, nargs="+", default=[2, 4, 8])
-        p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-        p.add_argument("--threads", type=int, default=1)
-        p.add_argument("--timeout", type=float, default=7200.0)
+        p.add_argument("--out", default="results", help="output directory")
+        p.add_argument("--nproc", type=at_least(1), nargs="+", default=[2, 4, 8], help="rank counts p to run")
+        p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="K/V dtype")
+        p.add_argument("--threads", type=at_least(1), default=1, help="compute threads per rank")
+        p.add_argument("--timeout", type=float, default=7200.0, help="seconds before a launch is stopped")
         p.set_defaults(func=lambda a: _dispatch(a, name))
 
-    p = bs.add_parser("latency", help="decode step latency: Tree strategies vs Ring vs local/single device")
+    p = bs.add_parser(
+        "latency", formatter_class=fmt, help="decode step latency: Tree strategies vs Ring vs local/single device"
+    )
     common(p, "latency")
-    p.add_argument("--seq", type=int, nargs="+", default=[16 * K, 64 * K, 256 * K, 1024 * K])
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=None)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--warmup", type=int, default=2)
-    p = bs.add_parser("memory", help="peak memory per rank, Tree vs Ring, vs eq. 8-9")
+    p.add_argument(
+        "--seq", type=at_least(1), nargs="+", default=[16 * K, 64 * K, 256 * K, 1024 * K], help="total KV lengths"
+    )
+    p.add_argument("--heads", type=at_least(1), default=16, help="query heads")
+    p.add_argument("--kv-heads", type=at_least(1), default=None, help="KV heads (None: --heads, MHA)")
+    p.add_argument("--dim", type=at_least(1), default=128, help="head dim")
+    p.add_argument("--batch", type=at_least(1), default=1, help="sequences per step")
+    p.add_argument("--reps", type=at_least(1), default=7, help="timed steps per method (the median is reported)")
+    p.add_argument("--warmup", type=at_least(0), default=2, help="untimed steps per method first")
+    p = bs.add_parser("memory", formatter_class=fmt, help="peak memory per rank, Tree vs Ring, vs eq. 8-9")
     common(p, "memory")
-    p.add_argument("--seq", type=int, nargs="+", default=[16 * K, 64 * K, 256 * K, 1024 * K])
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--heads-sweep", type=int, nargs="+", default=[4, 8, 16, 32])
-    p.add_argument("--dim", type=int, default=128)
-    p = bs.add_parser("comm", help="bytes and collectives per rank per step vs eq. 10-14")
+    p.add_argument(
+        "--seq", type=at_least(1), nargs="+", default=[16 * K, 64 * K, 256 * K, 1024 * K], help="total KV lengths"
+    )
+    p.add_argument("--heads", type=at_least(1), default=16, help="heads for the sequence sweep")
+    p.add_argument(
+        "--heads-sweep", type=at_least(1), nargs="+", default=[4, 8, 16, 32], help="heads for the head sweep"
+    )
+    p.add_argument("--dim", type=at_least(1), default=128, help="head dim")
+    p = bs.add_parser("comm", formatter_class=fmt, help="bytes and collectives per rank per step vs eq. 10-14")
     common(p, "comm")
-    p.add_argument("--seq", type=int, nargs="+", default=[16 * K, 64 * K, 256 * K])
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--dim", type=int, default=128)
-    p = bs.add_parser("e2e", help="time to first token and per-token decode of generation, Tree vs Ring")
+    p.add_argument("--seq", type=at_least(1), nargs="+", default=[16 * K, 64 * K, 256 * K], help="total KV lengths")
+    p.add_argument("--heads", type=at_least(1), default=16, help="heads")
+    p.add_argument("--dim", type=at_least(1), default=128, help="head dim")
+    p = bs.add_parser(
+        "e2e", formatter_class=fmt, help="time to first token and per-token decode of generation, Tree vs Ring"
+    )
     common(p, "e2e")
-    p.add_argument("--prompt", type=int, nargs="+", default=[1024, 4096, 16384])
-    p.add_argument("--preset", default="small-llama")
-    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--prompt", type=at_least(1), nargs="+", default=[1024, 4096, 16384], help="prompt lengths")
+    p.add_argument("--preset", default="small-llama", help="random-weight model config")
+    p.add_argument("--new-tokens", type=at_least(1), default=16, help="tokens generated per run")
     from .kernel import add_parser as add_kernel
 
     add_kernel(bs)

@@ -12,6 +12,7 @@ backend (1 thread) and for decode_cpu with ``--threads`` threads, median of ``--
 
 from __future__ import annotations
 
+import argparse
 import csv
 import functools
 import statistics
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from .._argtypes import at_least
 from .._host import empty_huge, huge_page_bytes
 
 K = 1024
@@ -150,17 +152,34 @@ def _plot(rows: list[dict], path: str) -> None:
 
 
 def add_parser(bs) -> None:
-    p = bs.add_parser("kernel", help="local decode attention per backend vs the read-bandwidth floor")
+    p = bs.add_parser(
+        "kernel",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="local decode attention per backend vs the read-bandwidth floor",
+    )
     p.add_argument("--quick", action="store_true", help="S in {4k, 16k, 64k}")
-    p.add_argument("--seq", type=int, nargs="+", default=[16 * K, 64 * K, 256 * K, 1024 * K])
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--heads", nargs="+", default=["16/16", "32/8"], help="Hq/Hkv pairs")
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--backends", nargs="+", default=["torch", "flash_cpu", "decode_cpu"])
-    p.add_argument("--threads", type=int, default=2, help="threads for the extra decode_cpu column")
-    p.add_argument("--reps", type=int, default=5)
     p.add_argument(
-        "--small-pages", action="store_true", help="K/V and the floor buffer on 4 KiB pages (default: huge pages)"
+        "--seq", type=at_least(1), nargs="+", default=[16 * K, 64 * K, 256 * K, 1024 * K], help="KV lengths S"
+    )
+    p.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=["float32", "bfloat16"],
+        choices=["float32", "bfloat16", "float16"],
+        help="K/V dtypes",
+    )
+    p.add_argument("--heads", nargs="+", default=["16/16", "32/8"], help="Hq/Hkv pairs")
+    p.add_argument("--dim", type=at_least(1), default=128, help="head dim")
+    p.add_argument(
+        "--backends",
+        nargs="+",
+        default=["torch", "flash_cpu", "decode_cpu"],
+        help="attention_with_lse backends to time",
+    )
+    p.add_argument("--threads", type=at_least(1), default=2, help="threads for the extra decode_cpu column")
+    p.add_argument("--reps", type=at_least(1), default=5, help="timed calls per case (the median is reported)")
+    p.add_argument(
+        "--small-pages", action="store_true", help="K/V and the floor buffer on 4 KiB pages instead of 2 MiB huge pages"
     )
     p.add_argument("--csv", default=None, help="write the rows to this CSV file")
     p.add_argument("--plot", default=None, help="write a PNG plot (needs matplotlib)")

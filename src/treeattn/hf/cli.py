@@ -313,13 +313,24 @@ def add_parser(sub) -> None:
     g.add_argument("--system", help="system message for --chat")
     g.add_argument("--batch", type=at_least(1), default=1, help="random prompts in the batch (with --prompt-len)")
     g.add_argument("--nproc", type=at_least(1), default=2, help="local ranks to launch (ignored under torchrun)")
-    g.add_argument("--max-new-tokens", type=at_least(1), default=128, help="at most this many (stops at EOS; default 128)")
+    g.add_argument(
+        "--max-new-tokens", type=at_least(1), default=128, help="at most this many (stops at EOS; default 128)"
+    )
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     g.add_argument("--attention", choices=["tree", "ring"], default="tree")
-    g.add_argument("--strategy", choices=STRATEGIES, default="auto", help="how tree attention merges across ranks (default auto: the cost model picks)")
+    g.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default="auto",
+        help="how tree attention merges across ranks (default auto: the cost model picks)",
+    )
     g.add_argument("--placement", choices=["interleaved", "contiguous"], default="interleaved")
-    g.add_argument("--block", type=at_least(1), default=1, help="tokens per placement block of the sharded KV cache (default 1)")
-    g.add_argument("--prefill-chunk", type=at_least(0), default=1024, help="prompt tokens per rank per prefill step (0: all)")
+    g.add_argument(
+        "--block", type=at_least(1), default=1, help="tokens per placement block of the sharded KV cache (default 1)"
+    )
+    g.add_argument(
+        "--prefill-chunk", type=at_least(0), default=1024, help="prompt tokens per rank per prefill step (0: all)"
+    )
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     g.add_argument("--sample", action="store_true", help="sample instead of greedy")
     g.add_argument("--temperature", type=float, default=1.0)

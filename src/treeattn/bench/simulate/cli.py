@@ -9,6 +9,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from ..._argtypes import at_least
 from ...cost import model as cost_model
 from ...cost.model import DTYPE_BYTES, Cluster
 from ...cost.presets import PRESET_GRID, PRESETS
@@ -33,11 +34,7 @@ def _tokens(s: str) -> int:
     return int(round(v))
 
 
-def _positive(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {s!r}")
-    return v
+_positive = at_least(1)
 
 
 def add_parser(sub: Any) -> None:
