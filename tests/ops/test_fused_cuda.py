@@ -35,6 +35,21 @@ def test_rows_per_group():
     assert F._rows_per_group(G * Tq, hi, False) == G * Tq
 
 
+def test_fix_empty_tells_empty_rows_from_undefined_ones():
+    """The kernels' lse for a row without keys (+inf, NaN) becomes (0, -inf); a non-finite
+    lse on a row that has keys (a NaN or inf score) becomes (NaN, NaN); finite rows stay."""
+    inf, nan = float("inf"), float("nan")
+    lse = torch.tensor([[[inf, nan, 1.5, inf, nan, 2.0]]])  # [B=1, H=1, R=6]
+    out = torch.full((1, 1, 6, 4), 7.0)
+    hi = torch.tensor([[0, 0, 5, 5, 5, 5]])  # rows 0, 1 see no key
+    o, l = F._fix_empty(out, lse, hi)
+    assert torch.isneginf(l[0, 0, :2]).all() and (o[0, 0, :2] == 0).all()
+    assert l[0, 0, 3:5].isnan().all() and o[0, 0, 3:5].isnan().all()
+    assert l[0, 0, 2] == 1.5 and l[0, 0, 5] == 2.0 and (o[0, 0, [2, 5]] == 7).all()
+    o, l = F._fix_empty(out, lse, None)  # every row sees keys
+    assert torch.equal(l.isnan(), ~torch.isfinite(lse)) and torch.equal(o.isnan().all(-1), ~torch.isfinite(lse))
+
+
 def test_cpu_tensors_rejected_and_auto_avoids_it():
     q, k, v = torch.randn(1, 4, 1, 64), torch.randn(1, 2, 10, 64), torch.randn(1, 2, 10, 64)
     assert not F.fused_cuda_supported(q, k, v)

@@ -143,9 +143,14 @@ def _efficient(qg, k, v, scale, kv_lens, causal, G, Tq):
 
 
 def _fix_empty(out: Tensor, lse: Tensor, hi: Tensor | None) -> tuple[Tensor, Tensor]:
-    lse = torch.where(torch.isnan(lse) | (lse == float("inf")), float("-inf"), lse)
+    """Rows without a visible key (``hi <= 0``; ``hi`` ``[B, R]`` or None: every row sees
+    keys) become ``(0, -inf)``, whatever the kernel marked them with (+inf, NaN, -inf). A
+    non-finite lse on any other row comes from a NaN or inf score: ``(NaN, NaN)``, as the CPU
+    backends give (flash-attn marks both cases +inf)."""
+    bad = torch.isnan(lse) | (lse == float("inf"))
     if hi is not None:
         empty = (hi <= 0).unsqueeze(1).expand_as(lse)
         lse = lse.masked_fill(empty, float("-inf"))
         out = out.masked_fill(empty.unsqueeze(-1), 0.0)
-    return out, lse
+        bad = bad & ~empty
+    return out.masked_fill(bad.unsqueeze(-1), float("nan")), lse.masked_fill(bad, float("nan"))
