@@ -494,14 +494,14 @@ static inline __attribute__((always_inline)) void dot_axpy2_r4_x(const float *q,
  * The per-key loops above widen every bf16 element with two instructions and load and store
  * each row's value accumulator once per key, which bounds them near half the read bandwidth
  * on AVX2-only CPUs. Here a group of GRP_X keys is done in two short phases that keep the K
- * and V streams side by side: the scores of the next block's keys (tiles of 4 rows x 2 keys,
- * or 1 row x 4 keys: each K and q load serves several FMAs), then the values of this block's
- * keys (tiles of 2 rows x 32 dims, or 1 row x 64 dims, whose accumulators stay in registers
- * over the group; V rows re-read from L1). 16 bf16 are widened at once as their even and odd
- * elements (one shift, one and), so q (qp) and the accumulators are kept in that order
- * (perm16). The first row tile prefetches one line PFK_X keys ahead per step. A single row
- * (MHA) streams faster key by key (row1_eo). float32 runs measured slower this way than in the
- * per-key loops (docs/benchmarks.md section 9.1). */
+ * and V streams side by side: the scores of the next block's keys (tiles of 4 rows x 3 keys,
+ * 4 x 2 or 4 x 1 for the rest, or 1 row x 4 keys: each K and q load serves several FMAs),
+ * then the values of this block's keys (tiles of 2 rows x 32 dims, or 1 row x 64 dims, whose
+ * accumulators stay in registers over the group; V rows re-read from L1). 16 bf16 are
+ * widened at once as their even and odd elements (one shift, one and), so q (qp) and the
+ * accumulators are kept in that order (perm16). The first row tile prefetches one line PFK_X
+ * keys ahead per step. A single row (MHA) streams faster key by key (row1_eo). float32 runs
+ * measured slower this way than in the per-key loops (docs/benchmarks.md section 9.1). */
 #ifndef GRP_X
 #define GRP_X 8
 #endif
@@ -567,6 +567,40 @@ static inline __attribute__((always_inline)) void sc_tile_bf(const float *q, int
     }
     for (int r = 0; r < NR; r++)
         for (int j = 0; j < NK; j++) s[r * ss + j] = t[r * NK + j];
+}
+
+/* sc_tile_bf for 4 rows x 3 keys: the even halves of 16 dims, then the odd ones, one FMA
+ * chain per score (12 accumulators); 1.12x the 4 x 2 tile in L1 (benchmarks/tile_micro.c) */
+static inline __attribute__((always_inline)) void sc_tile_bf_4x3(const float *q, int64_t qs, const char *k, int64_t ks,
+                                                                 int64_t D, float *s, int64_t ss, const int pf) {
+    __m256 a[12];
+    for (int i = 0; i < 12; i++) a[i] = _mm256_setzero_ps();
+    const __m256i odd = _mm256_set1_epi32((int)0xffff0000u);
+    for (int64_t d = 0; d < D; d += 16) {
+        __m256i raw[3];
+        __m256 x[3];
+        for (int j = 0; j < 3; j++) {
+            if (pf && !(d & 31)) _mm_prefetch(k + (j + PFK_X) * ks + 2 * d, _MM_HINT_T0);
+            raw[j] = _mm256_loadu_si256((const __m256i *)((const uint16_t *)(k + j * ks) + d));
+            x[j] = _mm256_castsi256_ps(_mm256_slli_epi32(raw[j], 16));
+        }
+        for (int r = 0; r < 4; r++) {
+            const __m256 w = _mm256_loadu_ps(q + r * qs + d);
+            for (int j = 0; j < 3; j++) a[3 * r + j] = _mm256_fmadd_ps(w, x[j], a[3 * r + j]);
+        }
+        for (int j = 0; j < 3; j++) x[j] = _mm256_castsi256_ps(_mm256_and_si256(raw[j], odd));
+        for (int r = 0; r < 4; r++) {
+            const __m256 w = _mm256_loadu_ps(q + r * qs + d + 8);
+            for (int j = 0; j < 3; j++) a[3 * r + j] = _mm256_fmadd_ps(w, x[j], a[3 * r + j]);
+        }
+    }
+    float t[12];
+    for (int i = 0; i < 12; i += 4) {
+        const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[i], a[i + 1]), _mm256_hadd_ps(a[i + 2], a[i + 3]));
+        _mm_storeu_ps(t + i, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+    }
+    for (int r = 0; r < 4; r++)
+        for (int j = 0; j < 3; j++) s[r * ss + j] = t[3 * r + j];
 }
 
 /* o_r += sum_i p[r * ps + i] v_i for NR rows (os floats apart, even/odd order) on 8 * NZ dims
@@ -662,6 +696,7 @@ static void block_tile_bf(const float *q, int64_t R, int64_t D, int64_t Dv, cons
         int64_t r = 0;
         for (; r + 4 <= R; r += 4) {
             int64_t j = 0;
+            for (; j + 3 <= gk; j += 3) sc_tile_bf_4x3(q + r * D, D, Kg + j * kst, kst, D, sn + r * ss + g0 + j, ss, !r);
             for (; j + 2 <= gk; j += 2) sc_tile_bf(q + r * D, D, Kg + j * kst, kst, D, sn + r * ss + g0 + j, ss, 4, 2, !r);
             if (j < gk) sc_tile_bf(q + r * D, D, Kg + j * kst, kst, D, sn + r * ss + g0 + j, ss, 4, 1, !r);
         }
