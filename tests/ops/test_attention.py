@@ -198,6 +198,44 @@ def test_nonfinite_visible_key_propagates(backend, dtype, heads, poison):
     assert torch.equal(out[1], clean[0][1]) and torch.equal(lse[1], clean[1][1])
 
 
+@pytest.mark.parametrize("backend", ["torch", "flash_cpu", "decode_cpu", "auto"])
+def test_nonfinite_edge_cases(backend, monkeypatch):
+    """Rows whose only (or every) visible key is NaN are NaN, not empty; with causal Tq > 1
+    a NaN key or value reaches only the rows that see it; an inf key in float64 and in a
+    scores-chunked torch run is NaN, not empty."""
+    nan = float("nan")
+    q, k, v = make(2, 4, 2, 1, 5, 16, seed=3)
+    k[0, 0, 0, 0] = nan  # sequence 0 sees only key 0
+    out, lse = attention_with_lse(q, k, v, kv_lens=torch.tensor([1, 5]), backend=backend)
+    assert lse[0, :2].isnan().all() and out[0, :2].isnan().all() and torch.isfinite(lse[0, 2:]).all()
+    k[1, 1, :, 3] = nan  # every key of sequence 1, KV head 1
+    out, lse = attention_with_lse(q, k, v, backend=backend)
+    assert lse[1, 2:].isnan().all() and out[1, 2:].isnan().all() and torch.isfinite(lse[1, :2]).all()
+    q, k, v = make(1, 4, 2, 4, 16, 16, seed=4)
+    ref = attention_with_lse(q, k, v, causal=True, backend="torch")
+    for what in ("k", "v"):
+        kk, vv = k.clone(), v.clone()
+        (kk if what == "k" else vv)[0, 0, 14, 3] = nan  # query i sees keys 0 .. 12 + i
+        out, lse = attention_with_lse(q, kk, vv, causal=True, backend=backend)
+        assert torch.allclose(out[0, :2, :2], ref[0][0, :2, :2], atol=1e-5)  # queries 0, 1 do not see key 14
+        assert torch.allclose(lse[0, :2, :2], ref[1][0, :2, :2], atol=1e-5)
+        if what == "k":
+            assert out[0, :2, 2:].isnan().all() and lse[0, :2, 2:].isnan().all()
+        else:
+            assert out[0, :2, 2:, 3].isnan().all() and not out[0, :2, 2:, 4:].isnan().any()
+        assert torch.equal(out[0, 2:].isnan(), ref[0][0, 2:].isnan())  # KV head 1 untouched
+    if backend in ("torch", "decode_cpu"):
+        q, k, v = make(1, 2, 1, 1, 40, 16, dtype=torch.float64, seed=6)
+        k[0, 0, 7] = torch.where(q[0, 0, 0] > 0, float("inf"), float("-inf")).double()
+        if backend == "torch":
+            monkeypatch.setattr("treeattn.ops.attention._SCORE_BUDGET", 1)  # chunks of 256 keys
+            q, k, v = q.float(), k.float(), v.float()
+            k = torch.cat([torch.randn(1, 1, 600, 16), k], 2)
+            v = torch.cat([torch.randn(1, 1, 600, 16), v], 2)
+        out, lse = attention_with_lse(q, k, v, backend=backend)
+        assert lse[0, 0].isnan().all() and out[0, 0].isnan().all()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("poison", [float("nan"), float("inf"), -float("inf")])
 def test_masked_keys_are_never_read(backend, poison):

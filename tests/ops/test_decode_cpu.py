@@ -152,6 +152,10 @@ def test_nan_key_in_one_split_poisons_its_rows(monkeypatch, dtype, R, fallback):
         assert o[0, 0, 1:].isnan().all() and l[0, 0, 1:].isnan().all()
         assert torch.isfinite(o[0, 0, 0]).all() and torch.isfinite(l[0, 0, 0])
         assert max_err(o[:, 1:], ro) < 1e-2 and max_err(l[:, 1:], rl) < 1e-4
+    k[0, 0, 4000:] = float("nan")  # a whole split of NaN keys: its running max stays -inf
+    for t in (1, 3):
+        o, l = decode_cpu(qg, k, v, 0.1, lo, hi, threads=t)
+        assert o[0, 0, 1:].isnan().all() and l[0, 0, 1:].isnan().all() and torch.isfinite(l[0, 0, 0])
 
 
 def test_strided_cache_slices_and_empty():

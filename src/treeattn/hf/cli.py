@@ -334,7 +334,7 @@ def add_parser(sub) -> None:
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     g.add_argument("--sample", action="store_true", help="sample instead of greedy")
     g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-k", type=at_least(1), default=None)
+    g.add_argument("--top-k", type=at_least(0), default=None, help="sample from the k likeliest tokens (0: off)")
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=at_least(1), default=1, help="compute threads per rank (default 1)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 
@@ -92,11 +93,16 @@ def _pad_id(model: torch.nn.Module, pad_token_id: int | None, eos: list[int]) ->
     return int(pad_token_id)
 
 
+@functools.cache
+def _cache_name(forward_cls: type) -> str:
+    names = inspect.signature(forward_cls.forward).parameters
+    return "cache" if "cache" in names else "past_key_values"
+
+
 def _cache_kw(decoder: torch.nn.Module, cache) -> dict:
     """The cache keyword of the decoder's forward: ``cache`` (transformers >= 5.24, where
     ``past_key_values`` is deprecated) or ``past_key_values``."""
-    names = inspect.signature(decoder.forward).parameters
-    return {"cache" if "cache" in names else "past_key_values": cache}
+    return {_cache_name(type(decoder)): cache}
 
 
 def _checksum(t: Tensor) -> int:

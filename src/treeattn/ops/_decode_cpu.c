@@ -1274,7 +1274,7 @@ int treeattn_decode(const float *q, const uint16_t *qb, float scale, const void 
                 for (int64_t sp = 0; sp < nsplit; sp++) {
                     int64_t t = bh * nsplit + sp;
                     float m = J.pm[t * R + r];
-                    if (m == -INFINITY) continue;
+                    if (m == -INFINITY && J.pl[t * R + r] == 0) continue; /* empty; a NaN sum must reach L */
                     float c = own ? exp_neg(m - M) : 1.0f;
                     L += J.pl[t * R + r] * c;
                     if (own) {

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from .._host import cache_root
+from .attention import block_state
 from .state import empty_state, merge_states
 
 __all__ = ["decode_cpu", "decode_torch", "kernel_available", "kernel_features", "kernel_info"]
@@ -265,10 +266,5 @@ def decode_torch(
             s = torch.tanh(s / softcap) * softcap
         s = s.masked_fill(~vis, float("-inf"))
         vc = v[:, :, s0:s1].to(acc).masked_fill(~vis.any(2).unsqueeze(-1), 0.0)
-        m = s.amax(-1, keepdim=True)
-        m = torch.where(torch.isinf(m), 0.0, m)
-        p = torch.exp(s - m)
-        den = p.sum(-1)
-        o = torch.matmul(p, vc) / torch.where(den > 0, den, 1.0).unsqueeze(-1)
-        out, lse = merge_states(out, lse, o, m.squeeze(-1) + torch.log(den))
+        out, lse = merge_states(out, lse, *block_state(s, vc))
     return out, lse

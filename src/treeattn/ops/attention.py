@@ -142,10 +142,11 @@ def attention_with_lse(
         ``(out, lse)``: ``out [B, Hq, Tq, Dv]`` in q's dtype and ``lse [B, Hq, Tq]``
         float32 (float64 for float64 inputs), natural log of the softmax denominator of
         the *scaled* (and softcapped) scores. A row with no visible key has out 0 and lse -inf.
-        A row with a NaN or +inf score (a NaN or inf in a key it sees) gets out and lse NaN on
-        every backend, and a NaN or inf in a value it weighs reaches its out, as in plain
-        PyTorch; keys a row does not see are never read, so masked or unused slots may hold
-        anything.
+        A row with a NaN or +inf score (a NaN in a key it sees; an inf in one gives a +-inf
+        or NaN score, or a finite one under softcap) gets out and lse NaN on every backend,
+        and a NaN or inf value it weighs reaches the output dims it is in, as in plain
+        PyTorch; rows that do not see such a key or value are unaffected, and keys outside
+        every row's bounds (kv_lens, unused capacity) are never read.
 
     Raises:
         ValueError: bad shapes, dtypes, devices, kv_lens or kv_start out of range, a
@@ -234,7 +235,17 @@ def _attention(
             j = torch.arange(S, device=q.device).view(1, 1, S, 1)
             bad = (j < seq[0].view(B, 1, 1, 1)) | (j >= seq[1].view(B, 1, 1, 1))
             k, v = k.masked_fill(bad, 0.0), v.masked_fill(bad, 0.0)
-        out, lse = _flash_cpu(qg, k, v, scale, lo, hi, vis)
+        # rows of one sequence with different bounds: the kernel's additive -inf mask cannot
+        # hide a NaN/inf key or value from the rows that do not see it; the torch path can
+        per_row = lo is not None or vis is not None or (hi is not None and bool((hi != hi[:, :, :1]).any()))
+        if per_row and not bool(torch.isfinite(k).all() and torch.isfinite(v).all()):
+            out, lse = _chunked(qg, k, v, scale, lo, hi, vis, None, softcap)
+        else:
+            out, lse = _flash_cpu(qg, k, v, scale, lo, hi, vis)
+            # the kernel reports a row whose scores are all NaN as fully masked (lse 0, out 0);
+            # its empty rows are -inf by now, so such a row is redone (exactly) on the torch path
+            if bool(((lse == 0) & (out == 0).all(-1)).any()):
+                out, lse = _chunked(qg, k, v, scale, lo, hi, vis, None, softcap)
     else:
         out, lse = _chunked(qg, k, v, scale, lo, hi, vis, seq, softcap)
     # +inf (an inf score) is as undefined as NaN; a state's +inf lse would read as empty
@@ -395,18 +406,33 @@ def _chunked(
         if seq is not None:
             jv = torch.arange(s0, s0 + kc.shape[2], device=qg.device).view(1, 1, -1, 1)
             vc = vc.masked_fill((jv < seq[0].view(B, 1, 1, 1)) | (jv >= seq[1].view(B, 1, 1, 1)), 0.0)
-        m = s.amax(-1, keepdim=True)
-        m = torch.where(torch.isinf(m), 0.0, m)
-        p = torch.exp(s - m)
-        den = p.sum(-1)
-        o = torch.matmul(p.to(vc.dtype) if vc.dtype != acc else p, vc).to(acc)
-        o = o / torch.where(den > 0, den, 1.0).unsqueeze(-1)
-        c_lse = m.squeeze(-1) + torch.log(den)
+        o, c_lse = block_state(s, vc)
         if s0 == 0:
             out, lse = o, c_lse
         else:
             out, lse = merge_states(out, lse, o, c_lse)
     return out, lse
+
+
+def block_state(s: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of one block: scores ``s [..., R, C]`` in the accumulation dtype (-inf
+    where hidden) over values ``v [..., C, Dv]`` (p is cast to v's dtype for the product).
+    On the CPU a non-finite value reaches only the rows that weigh it (a hidden one would
+    leak in as 0 x NaN); a +inf lse (an inf score) becomes NaN, never "empty"."""
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isinf(m), 0.0, m)
+    p = torch.exp(s - m)
+    den = p.sum(-1)
+    pv = p.to(v.dtype) if v.dtype != p.dtype else p
+    bad = ~torch.isfinite(v) if v.device.type == "cpu" else None
+    if bad is not None and bool(bad.any()):
+        hit = torch.matmul((p > 0).to(p.dtype), bad.to(p.dtype)) > 0  # [..., R, Dv]: weighs a bad value
+        o = torch.where(hit, torch.matmul(pv, v).to(p.dtype), torch.matmul(pv, v.masked_fill(bad, 0.0)).to(p.dtype))
+    else:
+        o = torch.matmul(pv, v).to(p.dtype)
+    o = o / torch.where(den > 0, den, 1.0).unsqueeze(-1)
+    lse = m.squeeze(-1) + torch.log(den)
+    return o, torch.where(lse == float("inf"), float("nan"), lse)
 
 
 def _flash_cpu(

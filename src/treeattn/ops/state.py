@@ -29,9 +29,9 @@ def _acc_dtype(*ts: Tensor) -> torch.dtype:
 def normalize_lse(lse: Tensor) -> Tensor:
     """Return ``lse`` as float32 (or float64) with NaN and +inf replaced by -inf (empty).
 
-    Backends report a fully masked row in several ways (NaN, +inf, 0 with a zero output);
-    the numerics contract is that only ``-inf`` means "no key", so anything non-finite
-    becomes ``-inf``.
+    A tool for states from foreign kernels that mark a fully masked row with NaN or +inf.
+    The merges do not use it: there NaN means an undefined row (a NaN or +inf score, see
+    :func:`merge_states`) and propagates; only use it where NaN can only mean "no key".
     """
     lse = lse.to(_acc_dtype(lse))
     return torch.where(torch.isfinite(lse), lse, float("-inf"))
@@ -62,20 +62,22 @@ def merge_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> 
         ``(0, -inf)``, never NaN. Stable for any finite lse difference (e.g. ±1e4).
 
     Raises:
-        TypeError: a non-tensor argument. ValueError: an lse whose shape is not its out's
-            without the last dim.
+        TypeError: a non-tensor argument. ValueError: shapes that do not broadcast as above.
     """
     for name, t in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
         if not isinstance(t, Tensor):
             raise TypeError(f"merge_states: {name} must be a torch.Tensor, got {type(t).__name__}")
-    for o, l, which in ((out_a, lse_a, "a"), (out_b, lse_b, "b")):
-        if o.ndim == 0 or o.shape[:-1] != l.shape:
-            raise ValueError(f"merge_states: lse_{which} must have out_{which}'s shape without the last dim, got "
-                             f"out_{which} {tuple(o.shape)} and lse_{which} {tuple(l.shape)}")  # fmt: skip
-    return merge_states_n(
-        torch.stack(torch.broadcast_tensors(out_a, out_b)),
-        torch.stack(torch.broadcast_tensors(lse_a, lse_b)),
-    )
+    try:
+        out, lse = torch.broadcast_tensors(out_a, out_b), torch.broadcast_tensors(lse_a, lse_b)
+        ok = out[0].ndim > 0 and out[0].shape[:-1] == lse[0].shape
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            "merge_states: out_a/out_b must broadcast to [..., D] and lse_a/lse_b to [...], got out_a "
+            f"{tuple(out_a.shape)}, lse_a {tuple(lse_a.shape)}, out_b {tuple(out_b.shape)}, lse_b {tuple(lse_b.shape)}"
+        )
+    return merge_states_n(torch.stack(out), torch.stack(lse))
 
 
 def merge_states_n(out: Tensor, lse: Tensor, dim: int = 0) -> tuple[Tensor, Tensor]:
