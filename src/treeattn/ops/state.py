@@ -53,8 +53,8 @@ def merge_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> 
         lse_a, lse_b: ``[...]`` log-sum-exp of the scores (natural log), any float dtype.
             -inf and +inf mean an empty state (+inf: flash-attn's mark of a row without
             keys); the output of an empty state is ignored, NaN or not. NaN means an
-            undefined state (:func:`attention_with_lse` gives it to a row that sees a NaN
-            or inf key) and propagates: the merged row is NaN.
+            undefined state (:func:`attention_with_lse` gives it to a row with a NaN or
+            +inf score) and propagates: the merged row is NaN.
 
     Returns:
         ``(out, lse)``: ``out [..., D]`` and ``lse [...]``, both float32 (float64 if any
