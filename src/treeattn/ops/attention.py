@@ -238,18 +238,16 @@ def _attention(
         # rows of one sequence with different bounds: the kernel's additive -inf mask cannot
         # hide a NaN/inf key or value from the rows that do not see it; the torch path can
         per_row = lo is not None or vis is not None or (hi is not None and bool((hi != hi[:, :, :1]).any()))
-        if per_row and not bool(torch.isfinite(k).all() and torch.isfinite(v).all()):
-            out, lse = _chunked(qg, k, v, scale, lo, hi, vis, None, softcap)
-        else:
+        redo = per_row and not bool(torch.isfinite(k).all() and torch.isfinite(v).all())
+        if not redo:
             out, lse = _flash_cpu(qg, k, v, scale, lo, hi, vis)
             # the kernel reports a row whose scores are all NaN as fully masked (lse 0, out 0);
             # its empty rows are -inf by now, so such a row is redone (exactly) on the torch path
-            if bool(((lse == 0) & (out == 0).all(-1)).any()):
-                out, lse = _chunked(qg, k, v, scale, lo, hi, vis, None, softcap)
+            redo = bool(((lse == 0) & (out == 0).all(-1)).any())
+        if redo:
+            out, lse = _chunked(qg, k, v, scale, lo, hi, vis, None, softcap)
     else:
         out, lse = _chunked(qg, k, v, scale, lo, hi, vis, seq, softcap)
-    # +inf (an inf score) is as undefined as NaN; a state's +inf lse would read as empty
-    lse = torch.where(lse == float("inf"), float("nan"), lse)
     return out.to(acc if keep_fp32 else q.dtype).reshape(B, Hq, Tq, Dv), lse.reshape(B, Hq, Tq)
 
 
@@ -455,6 +453,8 @@ def _flash_cpu(
         empty = empty.expand_as(lse)
         lse = lse.masked_fill(empty, float("-inf"))
         out = out.masked_fill(empty.unsqueeze(-1), 0.0)
-    # an inf score: lse +inf, out NaN in float32 but 0 in bfloat16; undefined either way
-    out = out.masked_fill(((lse == float("inf")) | lse.isnan()).unsqueeze(-1), float("nan"))
+    # an inf score: lse +inf (which a merge would read as empty), out NaN in float32 but 0 in
+    # bfloat16; undefined either way
+    bad = (lse == float("inf")) | lse.isnan()
+    out, lse = out.masked_fill(bad.unsqueeze(-1), float("nan")), lse.masked_fill(bad, float("nan"))
     return out, lse.to(torch.float64 if qg.dtype == torch.float64 else torch.float32)

@@ -34,9 +34,6 @@ def _tokens(s: str) -> int:
     return int(round(v))
 
 
-_positive = at_least(1)
-
-
 def add_parser(sub: Any) -> None:
     """Add the ``simulate`` sub-command to an argparse subparsers object; its handler is :func:`run`."""
     g = sub.add_parser(
@@ -50,14 +47,14 @@ def add_parser(sub: Any) -> None:
         ),
     )
     g.add_argument("--preset", choices=list(PRESETS), default="dgx-h100")
-    g.add_argument("--p", type=_positive, nargs="+", default=None, help="ranks (default: the preset's grid)")
+    g.add_argument("--p", type=at_least(1), nargs="+", default=None, help="ranks (default: the preset's grid)")
     g.add_argument(
         "--seq", type=_tokens, nargs="+", default=None, help="total context tokens, e.g. 80k 5.12M 100M (default: grid)"
     )
-    g.add_argument("--heads", type=_positive, default=16, help="query heads (default 16, the paper's Fig. 3)")
-    g.add_argument("--kv-heads", type=_positive, default=None, help="K/V heads (default: --heads)")
-    g.add_argument("--dim", type=_positive, default=128, help="head dimension (default 128)")
-    g.add_argument("--batch", type=_positive, default=1)
+    g.add_argument("--heads", type=at_least(1), default=16, help="query heads (default 16, the paper's Fig. 3)")
+    g.add_argument("--kv-heads", type=at_least(1), default=None, help="K/V heads (default: --heads)")
+    g.add_argument("--dim", type=at_least(1), default=128, help="head dimension (default 128)")
+    g.add_argument("--batch", type=at_least(1), default=1)
     g.add_argument(
         "--dtype",
         choices=["bfloat16", "float16", "float32"],
