@@ -5,7 +5,7 @@ import torch
 
 from reference import assert_within_tolerance, max_err, reference
 from treeattn import attention_with_lse
-from treeattn.ops.attention import _SCORE_BUDGET
+from treeattn.ops._blocks import _SCORE_BUDGET
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BACKENDS = ["torch", "flash_cpu", "auto"]
@@ -74,9 +74,9 @@ def test_long_context_65536(backend):
 
 def test_chunked_path_really_chunks(monkeypatch):
     """With a tiny score budget the torch path runs many chunks and still matches."""
-    import treeattn.ops.attention as A
+    import treeattn.ops._blocks as blocks
 
-    monkeypatch.setattr(A, "_SCORE_BUDGET", 64)
+    monkeypatch.setattr(blocks, "_SCORE_BUDGET", 64)
     q, k, v = make(3, 12, 4, 4, 5000, 32, seed=3)
     kv_lens = torch.tensor([5000, 1, 2999])
     out, lse = attention_with_lse(q, k, v, kv_lens=kv_lens, causal=True, backend="torch")
@@ -228,7 +228,7 @@ def test_nonfinite_edge_cases(backend, monkeypatch):
         q, k, v = make(1, 2, 1, 1, 40, 16, dtype=torch.float64, seed=6)
         k[0, 0, 7] = torch.where(q[0, 0, 0] > 0, float("inf"), float("-inf")).double()
         if backend == "torch":
-            monkeypatch.setattr("treeattn.ops.attention._SCORE_BUDGET", 1)  # chunks of 256 keys
+            monkeypatch.setattr("treeattn.ops._blocks._SCORE_BUDGET", 1)  # chunks of 256 keys
             q, k, v = q.float(), k.float(), v.float()
             k = torch.cat([torch.randn(1, 1, 600, 16), k], 2)
             v = torch.cat([torch.randn(1, 1, 600, 16), v], 2)

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from .._host import cache_root
-from .attention import block_state
+from ._blocks import block_state
 from .state import empty_state, merge_states
 
 __all__ = ["decode_cpu", "decode_torch", "kernel_available", "kernel_features", "kernel_info"]
