@@ -52,3 +52,26 @@ class Placement:
         if self.kind == "interleaved":
             return (pos // self.block) % self.p
         return counts.argmin(1)  # first minimum: lowest rank on ties
+
+    def block_owners(self, counts: torch.Tensor, start: int, n: int, prompt: bool = False) -> torch.Tensor:
+        """Owner ranks ``[n]`` of the positions ``start .. start + n - 1`` appended to a sequence
+        whose ranks hold ``counts [p]`` tokens: what :meth:`decode_owner` gives token by token
+        (with ``prompt``, an empty sequence takes the prompt split of :meth:`prompt_positions`)."""
+        if self.kind == "interleaved":
+            return ((start + torch.arange(n)) // self.block) % self.p
+        c = counts.to(torch.int64).clone()
+        if prompt and int(c.sum()) == 0:
+            return torch.cat([torch.full((len(self.prompt_positions(r, n)),), r) for r in range(self.p)])
+        out, left = [], n
+        while left > 0:  # water-filling: the least-loaded ranks (lowest first) take a token each, level by level
+            m = int(c.min())
+            low = torch.nonzero(c == m).flatten()
+            if len(low) == self.p:  # all level: round robin from rank 0
+                out.append(torch.arange(left) % self.p)
+                break
+            rounds = min(int(c[c > m].min()) - m, -(-left // len(low)))
+            take = low.repeat(rounds)[:left]
+            out.append(take)
+            c += torch.bincount(take, minlength=self.p)
+            left -= len(take)
+        return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64)

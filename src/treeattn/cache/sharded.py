@@ -85,7 +85,9 @@ class ShardedKVCache:
         self.v: list[Tensor] = []
         self.counts = torch.zeros(batch, self.p, dtype=torch.int64)  # valid tokens per rank, host
         self.positions = torch.zeros(batch, 0, dtype=torch.int64)  # global position of each local slot, host
+        self.owner = torch.full((batch, 0), -1, dtype=torch.int16)  # rank of every global position, host
         self.used = 0  # slots in use on this rank (max over the batch), host int
+        self._uniform = True  # every sequence has the same length and layout
         self._step_rows: Tensor | None = None
         self._step_slots: Tensor | None = None
         self._grow(max(capacity, 1))
@@ -125,50 +127,129 @@ class ShardedKVCache:
         pos[:, : self.cap] = self.positions
         self.positions, self.cap = pos, cap
 
-    # -- prefill ---------------------------------------------------------------------
+    def _grow_global(self, need: int) -> None:
+        if need > self.owner.shape[1]:
+            own = torch.full((self.B, max(need, 2 * self.owner.shape[1], 16)), -1, dtype=torch.int16)
+            own[:, : self.owner.shape[1]] = self.owner
+            self.owner = own
+
+    def rank_positions(self, rank: int, b: int = 0) -> Tensor:
+        """Global positions ``[n]`` (int64, host, increasing) of sequence ``b``'s valid tokens
+        on ``rank`` (every rank knows the whole layout)."""
+        return torch.nonzero(self.owner[b, : int(self.seq_lens[b])] == rank).flatten()
+
+    def uniform(self) -> bool:
+        """Whether every sequence has the same length and the same layout (a batch that was
+        never ragged, or rewound to where it was not): then one list of positions per rank
+        describes all of them."""
+        return self._uniform
+
+    def _check_uniform(self) -> bool:
+        L = self.seq_lens
+        n = int(L[0]) if self.B else 0
+        return bool((L == n).all()) and bool((self.owner[:, :n] == self.owner[:1, :n]).all())
+
+    # -- appending -------------------------------------------------------------------
+    def begin_extend(self, lens: Tensor, padded_len: int) -> tuple[list[Tensor], int]:
+        """Append a right-padded block of ``padded_len`` tokens to every sequence (``lens [B]``
+        of them real) after its valid tokens; the cache must be :meth:`uniform`. Positions
+        go by :meth:`Placement.block_owners` (an empty cache: the prompt split). Returns every
+        rank's new global positions (``[n_r]`` int64 each, the same for every sequence) and
+        this rank's first slot for them; store the block with :meth:`store_prefill`."""
+        lens = lens.detach().to("cpu", torch.int64)
+        if lens.shape != (self.B,) or bool((lens < 0).any()) or bool((lens > padded_len).any()):
+            raise ValueError(f"prompt_lens must be [B]={self.B} ints in [0, {padded_len}], got {lens.tolist()}")
+        if not self.uniform():
+            raise ValueError("a block of tokens needs every sequence at the same length and layout (uniform cache)")
+        L0, base = int(self.seq_lens[0]), int(self.kv_lens[0])
+        own = self.placement.block_owners(self.counts[0], L0, padded_len, prompt=True)
+        new = [torch.nonzero(own == r).flatten() + L0 for r in range(self.p)]
+        mine = new[self.rank]
+        self._grow(base + len(mine))
+        self._grow_global(L0 + padded_len)
+        self.positions[:, base : base + len(mine)] = mine
+        real = torch.arange(padded_len)[None, :] < lens[:, None]  # [B, padded]
+        self.owner[:, L0 : L0 + padded_len] = torch.where(real, own[None, :].to(torch.int16), -1)
+        self.counts += torch.stack([(real & (own == r)[None, :]).sum(1) for r in range(self.p)], 1)
+        self.used = max(self.used, base + len(mine))
+        self._uniform = bool((lens == lens[0]).all()) if self.B else True
+        return new, base
+
     def begin_prefill(self, prompt_lens: Tensor, padded_len: int) -> Tensor:
         """Start a batch of right-padded prompts (lengths ``prompt_lens [B]``, padded to
-        ``padded_len``). Returns the positions (``[n]`` int64, same for every sequence)
-        this rank must run through the model and store with :meth:`store_prefill`; the
-        slots beyond a sequence's length hold padding and are not counted as valid."""
-        prompt_lens = prompt_lens.detach().to("cpu", torch.int64)
-        if prompt_lens.shape != (self.B,) or bool((prompt_lens < 0).any()) or bool((prompt_lens > padded_len).any()):
-            raise ValueError(f"prompt_lens must be [B]={self.B} ints in [0, {padded_len}], got {prompt_lens.tolist()}")
+        ``padded_len``) on an empty cache. Returns the positions (``[n]`` int64, same for every
+        sequence) this rank must run through the model and store with :meth:`store_prefill`;
+        the slots beyond a sequence's length hold padding and are not counted as valid."""
         if self.used:
             raise RuntimeError("begin_prefill on a cache that already holds tokens")
-        mine = self.placement.prompt_positions(self.rank, padded_len)
-        self._grow(len(mine))
-        self.positions[:, : len(mine)] = mine
-        self.counts = self.placement.prompt_counts(prompt_lens, padded_len)
-        self.used = len(mine)
-        return mine
+        return self.begin_extend(prompt_lens, padded_len)[0][self.rank]
 
     def store_prefill(self, layer: int, k: Tensor, v: Tensor, start: int = 0) -> None:
-        """Store K/V ``[B, Hkv, n, D]`` of ``layer`` for this rank's prompt slots
-        ``start .. start + n - 1`` (the positions returned by :meth:`begin_prefill`; a
-        chunked prefill stores one chunk at a time)."""
+        """Store K/V ``[B, Hkv, n, D]`` of ``layer`` for this rank's slots ``start .. start + n - 1``
+        (the positions returned by :meth:`begin_prefill` / :meth:`begin_extend`; a chunked
+        prefill stores one chunk at a time)."""
         n = k.shape[2]
         if start < 0 or start + n > self.used:
             raise ValueError(f"prefill slots {start}..{start + n - 1} outside this rank's {self.used} prompt slots")
         self.k[layer][:, :, start : start + n] = k
         self.v[layer][:, :, start : start + n] = v
 
+    def place(self, n: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Append ``n`` tokens to every sequence (positions ``seq_lens[b] + j``), each on the
+        rank :meth:`Placement.decode_owner` gives it, one after another. Returns this rank's
+        share as host index tensors ``(b, j, slot)``: token ``j`` of sequence ``b`` goes to
+        local slot ``slot`` (store it with :meth:`store_slots`)."""
+        L = self.seq_lens.clone()
+        if self._uniform:
+            own = self.placement.block_owners(self.counts[0], int(L[0]), n).expand(self.B, n)
+        else:
+            c, cols = self.counts.clone(), []
+            for j in range(n):
+                cols.append(self.placement.decode_owner(L + j, c))
+                c[torch.arange(self.B), cols[-1]] += 1
+            own = torch.stack(cols, 1) if cols else torch.zeros(self.B, 0, dtype=torch.int64)
+        mine = own == self.rank  # [B, n]
+        b_idx, j_idx = torch.nonzero(mine, as_tuple=True)
+        slots = self.kv_lens[b_idx] + (mine.cumsum(1) - 1)[b_idx, j_idx]
+        if len(b_idx):
+            self._grow(int(slots.max()) + 1)
+            self.positions[b_idx, slots] = L[b_idx] + j_idx
+        self._grow_global(int(L.max()) + n)
+        rows = torch.arange(self.B)[:, None]
+        self.owner[rows, L[:, None] + torch.arange(n)[None, :]] = own.to(torch.int16)
+        self.counts += torch.stack([(own == r).sum(1) for r in range(self.p)], 1)
+        self.used = max(self.used, int(self.kv_lens.max()) if self.B else 0)
+        return b_idx, j_idx, slots
+
+    def store_slots(self, layer: int, b: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        """Store K/V ``[N, Hkv, D]`` of ``layer`` at local ``slots [N]`` of sequences ``b [N]``."""
+        if len(b):
+            self.k[layer][b, :, slots] = k
+            self.v[layer][b, :, slots] = v
+
+    def rewind(self, n: int | Tensor) -> None:
+        """Forget every token at global position ``>= n`` (an int, or ``[B]`` per sequence):
+        they are no longer valid on any rank, and later tokens take their slots."""
+        n = torch.as_tensor(n, dtype=torch.int64).expand(self.B)
+        if bool((n < 0).any()):
+            raise ValueError(f"rewind positions must be >= 0, got {n.tolist()}")
+        self.owner[torch.arange(self.owner.shape[1])[None, :] >= n[:, None]] = -1
+        own = self.owner.to(torch.int64)
+        self.counts = torch.stack([(own == r).sum(1) for r in range(self.p)], 1)
+        keep = torch.arange(self.cap)[None, :] < self.kv_lens[:, None]
+        self.positions = torch.where(keep, self.positions, -1)
+        self.used = int(self.kv_lens.max()) if self.B else 0
+        self._uniform = self._check_uniform()
+        self._step_rows = self._step_slots = None
+
     # -- decode ----------------------------------------------------------------------
     def begin_decode_step(self) -> Tensor:
         """Place one new token per sequence (at position ``seq_lens[b]``). Returns the owner
         rank of each ``[B]``. Call once per step, before the layers' :meth:`store_decode`."""
-        pos = self.seq_lens
-        owner = self.placement.decode_owner(pos, self.counts)
-        rows = torch.nonzero(owner == self.rank).flatten()
-        slots = self.kv_lens[rows].clone()
-        if len(rows):
-            self._grow(int(slots.max()) + 1)
-            self.positions[rows, slots] = pos[rows]
-        self.counts[torch.arange(self.B), owner] += 1
-        self.used = max(self.used, int(self.kv_lens.max()) if self.B else 0)
+        rows, _, slots = self.place(1)
         self._step_rows = rows.to(self.device, non_blocking=True)
         self._step_slots = slots.to(self.device, non_blocking=True)
-        return owner
+        return self.owner[torch.arange(self.B), self.seq_lens - 1].to(torch.int64)
 
     def store_decode(self, layer: int, k: Tensor, v: Tensor) -> None:
         """Store the new token's K/V ``[B, Hkv, 1, D]`` of ``layer`` for the sequences this
@@ -181,18 +262,21 @@ class ShardedKVCache:
             self.v[layer][r, :, s] = v[r, :, 0]
 
     def slots_before(self, bound: Tensor | int) -> Tensor:
-        """Per sequence, how many of this rank's valid slots hold a global position
-        ``< bound[b]`` (``bound``: int or ``[B]`` integer). Local slots are in increasing
-        position order (both placements), so this is the first slot at or after the bound:
-        the ``kv_start`` of a sliding window. ``[B]`` int64 on the host (no device sync)."""
-        bound = torch.as_tensor(bound, dtype=torch.int64).expand(self.B)
+        """Per sequence (or per query), how many of this rank's valid slots hold a global
+        position ``< bound`` (``bound``: int, ``[B]`` or ``[B, T]`` integer). Local slots are in
+        increasing position order (both placements), so this is the first slot at or after
+        the bound: the ``kv_start`` of a sliding window. Same shape as ``bound`` (an int:
+        ``[B]``), int64 on the host (no device sync)."""
+        bound = torch.as_tensor(bound, dtype=torch.int64)
+        bound = bound.expand(self.B) if bound.ndim < 2 else bound
         pos = self.positions[:, : self.used]
         valid = torch.arange(pos.shape[1])[None, :] < self.kv_lens[:, None]
-        return ((pos < bound[:, None]) & valid).sum(1)
+        pos = torch.where(valid, pos, torch.iinfo(torch.int64).max)  # sorted rows: valid prefix, then the max
+        return torch.searchsorted(pos, bound.reshape(self.B, -1)).reshape(bound.shape)
 
     def window_start(self, window: int | None, q_pos: Tensor) -> Tensor | None:
-        """``kv_start`` (``[B]`` int64, on the cache's device) of queries at global positions
-        ``q_pos [B]`` (host) under a sliding window: a query at ``P`` sees the keys at
+        """``kv_start`` (``[B]`` or ``[B, T]`` int64, on the cache's device) of queries at global
+        positions ``q_pos [B]`` or ``[B, T]`` (host) under a sliding window: a query at ``P`` sees the keys at
         ``P - window < pos <= P`` (transformers' ``sliding_window``); None without a window
         (the same on every rank, as the collective decode functions need)."""
         if window is None:

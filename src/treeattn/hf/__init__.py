@@ -4,5 +4,14 @@ a Cache over :class:`treeattn.ShardedKVCache`, and :func:`generate` across ranks
 from .attention import ATTN_NAME, StepContext, TreeAttnCache, treeattn_attention
 from .families import unsupported_reason
 from .generate import generate
+from .session import Session
 
-__all__ = ["ATTN_NAME", "StepContext", "TreeAttnCache", "generate", "treeattn_attention", "unsupported_reason"]
+__all__ = [
+    "ATTN_NAME",
+    "Session",
+    "StepContext",
+    "TreeAttnCache",
+    "generate",
+    "treeattn_attention",
+    "unsupported_reason",
+]

@@ -23,7 +23,7 @@ class StepContext:
     ``treeattn_ctx``, which transformers forwards to the attention function)."""
 
     cache: ShardedKVCache
-    mode: str  # "prefill" | "decode"
+    mode: str  # "prefill" | "decode" (one token per sequence, stored first) | "step" (tentative tokens, not stored)
     attention: str = "tree"  # "tree" | "ring"
     strategy: str = "auto"
     group: dist.ProcessGroup | None = None
@@ -31,17 +31,31 @@ class StepContext:
     q_positions: list[Tensor] = field(default_factory=list)  # prefill: every rank's positions in this chunk
     n_real: int = 0  # prefill: real tokens of this rank in this chunk (the rest is a placeholder)
     start: int = 0  # prefill: this rank's first slot of this chunk
-    kv_lens: Tensor | None = None  # decode: local valid lengths on the device
-    q_pos: Tensor | None = None  # decode: global position of each sequence's new token [B] (host)
-    starts: dict = field(default_factory=dict)  # decode: kv_start per sliding window (computed once per step)
+    kv_lens: Tensor | None = None  # decode, step: local valid lengths on the device
+    q_pos: Tensor | None = None  # decode: global position of each new token [B]; step: [B, T] (host)
+    starts: dict = field(default_factory=dict)  # decode, step: kv_start per sliding window (once per step)
+    tree: Tensor | None = None  # step: [T, T] bool, token i sees token j (j is i or an ancestor of i)
+    depth: Tensor | None = None  # step: [T] depth of each token in the block (0 = hangs off the history)
+    masks: dict = field(default_factory=dict)  # step: the block's mask per sliding window
+    stash: dict = field(default_factory=dict)  # step: layer -> (k, v) [B, Hkv, T, D] of the block
 
     def window_start(self, window: int | None) -> Tensor | None:
-        """Decode: this rank's first visible slot per sequence under ``window`` (None: no window)."""
+        """Decode, step: this rank's first visible slot per query under ``window`` (None: no window)."""
         if window is None:
             return None
         if window not in self.starts:
             self.starts[window] = self.cache.window_start(window, self.q_pos)
         return self.starts[window]
+
+    def block_mask(self, window: int | None) -> Tensor:
+        """Step: which tokens of the block each token sees (its ancestors and itself, within
+        ``window`` positions), ``[T, T]`` bool on the cache's device."""
+        if window not in self.masks:
+            m = self.tree
+            if window is not None:
+                m = m & ((self.depth[:, None] - self.depth[None, :]) < window)
+            self.masks[window] = m.to(self.cache.device)
+        return self.masks[window]
 
 
 class _Layer(CacheLayerMixin):
@@ -58,10 +72,12 @@ class _Layer(CacheLayerMixin):
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         ctx = self.owner.ctx
         if ctx is None:
-            raise RuntimeError("TreeAttnCache is driven by treeattn.hf.generate (no step context set)")
+            raise RuntimeError("TreeAttnCache is driven by a treeattn.hf.Session (no step context set)")
         if ctx.mode == "prefill":
             n = ctx.n_real
             self.owner.sharded.store_prefill(self.idx, key_states[:, :, :n], value_states[:, :, :n], ctx.start)
+        elif ctx.mode == "step":  # kept aside: only the tokens a later keep() commits are stored
+            ctx.stash[self.idx] = (key_states, value_states)
         else:
             self.owner.sharded.store_decode(self.idx, key_states, value_states)
         return key_states, value_states
@@ -103,7 +119,7 @@ def treeattn_attention(
     and ``softcap``. ``query [B, Hq, T, D]``; returns ``[B, T, Hq, D]``."""
     ctx: StepContext | None = kwargs.get("treeattn_ctx")
     if ctx is None:
-        raise RuntimeError("the 'treeattn' attention implementation runs inside treeattn.hf.generate")
+        raise RuntimeError("the 'treeattn' attention implementation runs inside a treeattn.hf.Session")
     _refuse(module, dropout, kwargs)
     window = layer_window(module, kwargs)
     softcap = kwargs.get("softcap")
@@ -141,6 +157,8 @@ def treeattn_attention(
     else:
         k, v, _ = ctx.cache.local(module.layer_idx)
         kw = dict(kv_lens=ctx.kv_lens, kv_start=ctx.window_start(window), softcap=softcap, group=ctx.group)
+        if ctx.mode == "step":  # the block's own tokens: new_k/new_v under the tree mask, counted once
+            kw.update(new_k=key, new_v=value, new_mask=ctx.block_mask(window))
         if ctx.attention == "ring":
             out = ring_decode(query, k, v, scale=scaling, check=False, **kw)
         else:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-import inspect
 import time
 
 import torch
@@ -18,14 +16,9 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
-from .._host import peak_memory_bytes
-from ..cache import ShardedKVCache
-from ..comm.collectives import all_reduce, world
+from ..comm.collectives import world
 from ..comm.validate import agree, float_bits
-from .attention import ATTN_NAME, StepContext, TreeAttnCache
-from .families import unsupported_reason
-
-ATTENTIONS = ("tree", "ring")
+from .session import ATTENTIONS, Session, checksum, model_problem
 
 
 def _processors(temperature, top_k, top_p, typical_p, eta_cutoff, device) -> LogitsProcessorList:
@@ -41,16 +34,6 @@ def _processors(temperature, top_k, top_p, typical_p, eta_cutoff, device) -> Log
     if eta_cutoff:
         procs.append(EtaLogitsWarper(eta_cutoff, device=device))
     return procs
-
-
-def lm_logits(model: torch.nn.Module, hidden: Tensor) -> Tensor:
-    """float32 logits of the LM head for hidden states ``[..., hidden]`` (the model's own
-    final-logit softcapping, e.g. Gemma-2, applied as its ``forward`` does)."""
-    logits = model.get_output_embeddings()(hidden).float()
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
 
 
 def _prompt_lens(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
@@ -91,23 +74,6 @@ def _pad_id(model: torch.nn.Module, pad_token_id: int | None, eos: list[int]) ->
     if pad_token_id is None:
         pad_token_id = eos[0] if eos else 0  # as transformers: pad with the (first) EOS id
     return int(pad_token_id)
-
-
-@functools.cache
-def _cache_name(forward_cls: type) -> str:
-    names = inspect.signature(forward_cls.forward).parameters
-    return "cache" if "cache" in names else "past_key_values"
-
-
-def _cache_kw(decoder: torch.nn.Module, cache) -> dict:
-    """The cache keyword of the decoder's forward: ``cache`` (transformers >= 5.24, where
-    ``past_key_values`` is deprecated) or ``past_key_values``."""
-    return {_cache_name(type(decoder)): cache}
-
-
-def _checksum(t: Tensor) -> int:
-    t = t.detach().cpu().to(torch.int64).reshape(-1)
-    return int(((t + 1) * torch.arange(1, t.numel() + 1)).sum() % (1 << 61)) if t.numel() else 0
 
 
 @torch.no_grad()
@@ -200,14 +166,7 @@ def generate(
         lens = _prompt_lens(input_ids, attention_mask)
         if bool((lens < 1).any()):
             raise ValueError(f"every prompt needs at least one token, got lengths {lens.tolist()}")
-        if getattr(model, "config", None) is None:
-            raise ValueError(f"model must be a transformers model with a .config, got {type(model).__name__}")
-        why = unsupported_reason(model.config, training=model.training)
-        if why is None and not getattr(model, "_supports_attention_backend", False):
-            why = (
-                f"{type(model).__name__}: its attention does not go through transformers' attention interface, "
-                "so treeattn cannot run it"
-            )
+        why = model_problem(model)
         if why is not None:
             raise ValueError(why)
         max_pos = getattr(model.config, "max_position_embeddings", None)
@@ -227,40 +186,23 @@ def generate(
     fields = {
         "B": B,
         "L": L,
-        "input_ids checksum": _checksum(input_ids) if ok else -1,
+        "input_ids checksum": checksum(input_ids) if ok else -1,
         "prompt lengths checksum": int((lens * torch.arange(1, B + 1)).sum()) if ok else -1,
         "max_new_tokens": max_new_tokens,
         "attention": ATTENTIONS.index(attention) if attention in ATTENTIONS else -1,
         "do_sample": int(do_sample),
         "seed": seed,
         "temperature": float_bits(temperature),
-        "eos ids checksum": _checksum(torch.tensor(eos, dtype=torch.int64)) if ok else -1,
+        "eos ids checksum": checksum(torch.tensor(eos, dtype=torch.int64)) if ok else -1,
         "pad_token_id": pad,
         "prefill_chunk": prefill_chunk or 0,
     }
     agree(fields, err, group=group, show={"temperature": "float", "attention": dict(enumerate(ATTENTIONS))})
 
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     device = input_ids.device
-    dtype = next(model.parameters()).dtype
-    sharded = ShardedKVCache(
-        cfg.num_hidden_layers,
-        B,
-        cfg.num_key_value_heads,
-        head_dim,
-        dtype=dtype,
-        device=device,
-        group=group,
-        placement=placement,
-        block=block,
-    )
-    cache = TreeAttnCache(sharded)
-    decoder = model.get_decoder()
+    session = Session(model, group, placement, attention, strategy, prefill_chunk, block=block)
     procs = _processors(temperature, top_k, top_p, typical_p, eta_cutoff, device) if do_sample else None
     gen = torch.Generator(device=device).manual_seed(seed)
-    prev_impl = cfg._attn_implementation
-    model.set_attn_implementation(ATTN_NAME)
     bar = None
     if progress and rank == 0:
         from tqdm.auto import tqdm
@@ -284,39 +226,19 @@ def generate(
         if streamer is not None:
             streamer.put(input_ids.cpu())
         t0 = time.perf_counter()
-        last = _prefill(decoder, cache, sharded, input_ids, lens, attention, strategy, group, prefill_chunk)
-        t_pre = time.perf_counter() - t0
-        logits = lm_logits(model, last.to(dtype))
+        # the arguments were agreed above; the ids of every later call come from identical computation
+        logits = session.extend(input_ids, attention_mask, check=False)
+        t_pre = session.last_call["seconds"]
         tok = pick(logits)
+        t1 = time.perf_counter()
         steps = []
         for t in range(max_new_tokens):
             if t:
                 ts = time.perf_counter()
                 seqs = torch.cat([seqs, tok[:, None]], 1) if do_sample else seqs
-                pos = sharded.seq_lens.clone()
-                sharded.begin_decode_step()
-                ctx = StepContext(
-                    sharded,
-                    "decode",
-                    attention,
-                    strategy,
-                    group,
-                    kv_lens=sharded.kv_lens.clone().to(device),
-                    q_pos=pos,
-                )
-                cache.ctx = ctx
-                hidden = decoder(
-                    input_ids=tok[:, None],
-                    position_ids=pos[:, None].to(device),
-                    **_cache_kw(decoder, cache),
-                    use_cache=True,
-                    treeattn_ctx=ctx,
-                ).last_hidden_state
-                logits = lm_logits(model, hidden[:, -1])
+                logits = session.extend(tok[:, None], check=False)
                 tok = pick(logits)
                 steps.append(time.perf_counter() - ts)
-            else:
-                t1 = time.perf_counter()
             out[:, t] = tok
             n_out = t + 1
             if streamer is not None:
@@ -328,83 +250,18 @@ def generate(
                 if not bool(live.any()):  # tokens are identical on every rank: so is this exit
                     break
         if info is not None:
+            st = session.stats()
             info.update(
                 ttft=t1 - t0,
                 prefill=t_pre,
                 decode=steps,
-                cache_bytes=sharded.memory_bytes(),
-                peak_bytes=peak_memory_bytes(device),
+                cache_bytes=st["cache_bytes"],
+                peak_bytes=st["peak_bytes"],
                 last_logits=logits,
             )
     finally:
-        cache.ctx = None
-        model.set_attn_implementation(prev_impl)
         if bar:
             bar.close()
         if streamer is not None:
             streamer.end()
     return out[:, :n_out]
-
-
-def prefill_windows(positions: list[Tensor], L: int, chunk: int | None) -> list[tuple[int, int]]:
-    """Split the prompt's global positions ``[0, L)`` into consecutive windows ``[lo, hi)`` in
-    which no rank holds more than ``chunk`` tokens (``positions[r]``: rank r's sorted
-    positions; None: one window). Causal attention needs the windows in position order: a
-    query may only run once every earlier key exists. Interleaved placement gives every rank
-    ``chunk`` tokens per window; contiguous placement runs the ranks' chunks one after another."""
-    if not chunk:
-        return [(0, L)]
-    out, lo = [], 0
-    while lo < L:
-        hi = L
-        for x in positions:
-            i = int(torch.searchsorted(x, lo))
-            if i + chunk < len(x):
-                hi = min(hi, int(x[i + chunk]))
-        out.append((lo, hi))
-        lo = hi
-    return out
-
-
-def _prefill(decoder, cache, sharded, input_ids, lens, attention, strategy, group, chunk) -> Tensor:
-    """Run this rank's prompt share through ``decoder`` chunk by chunk; returns the float32
-    last hidden state of every sequence ``[B, hidden]`` (identical on every rank)."""
-    rank, p = world(group)
-    B, L = input_ids.shape
-    device = input_ids.device
-    sharded.begin_prefill(lens, L)
-    positions = [sharded.placement.prompt_positions(r, L) for r in range(p)]
-    last = None
-    for lo, hi in prefill_windows(positions, L, chunk):
-        # every rank's tokens at global positions [lo, hi): every key a query of this step
-        # can see is then stored (layer by layer) before the query's attention runs
-        a = [int(torch.searchsorted(x, lo)) for x in positions]
-        b = [int(torch.searchsorted(x, hi)) for x in positions]
-        q_pos = [x[i:j] for x, i, j in zip(positions, a, b, strict=True)]
-        n = len(q_pos[rank])
-        ctx = StepContext(
-            sharded,
-            "prefill",
-            attention,
-            strategy,
-            group,
-            positions=[x[:j] for x, j in zip(positions, b, strict=True)],
-            q_positions=q_pos,
-            n_real=n,
-            start=a[rank],
-        )
-        cache.ctx = ctx
-        idx = q_pos[rank] if n else torch.zeros(1, dtype=torch.int64)  # a placeholder keeps the model happy
-        hidden = decoder(
-            input_ids=input_ids[:, idx.to(device)],
-            position_ids=idx[None, :].expand(B, -1).to(device),
-            **_cache_kw(decoder, cache),
-            use_cache=True,
-            treeattn_ctx=ctx,
-        ).last_hidden_state
-        if last is None:
-            last = torch.zeros(B, hidden.shape[-1], dtype=torch.float32, device=device)
-        if n:  # who holds each sequence's last prompt token in this chunk
-            rows, cols = torch.nonzero(q_pos[rank][None, :] == (lens - 1)[:, None], as_tuple=True)
-            last[rows.to(device)] = hidden[rows.to(device), cols.to(device)].float()
-    return all_reduce(last, dist.ReduceOp.SUM, group)
