@@ -106,7 +106,8 @@ def reduce_states(
     """Merge this rank's state with every other rank's state in ``group``.
 
     Args:
-        out: ``[..., Dv]`` any float dtype (made float32). lse: ``out.shape[:-1]``.
+        out: ``[..., Dv]`` any float dtype (made float32; float64 stays float64). lse:
+            ``out.shape[:-1]``.
         strategy: one of :data:`STRATEGIES`. topology: for ``hierarchical``/``auto``;
             default from ``LOCAL_WORLD_SIZE``.
         profile: the cost model of ``auto``: a profile path, a :class:`~treeattn.cost.Cluster`,
@@ -118,13 +119,14 @@ def reduce_states(
         ValueError: unknown strategy; :class:`~treeattn.cost.ProfileError` for a bad profile.
 
     Returns:
-        The merged ``(out, lse)``, float32, identical on every rank.
+        The merged ``(out, lse)``, float32 (float64 for float64 states), identical on every rank.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     _, p = world(group)
-    out = out.float()
-    lse = torch.where(lse == float("inf"), float("-inf"), lse.float())  # NaN (undefined) propagates
+    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+    out = out.to(acc)
+    lse = torch.where(lse == float("inf"), float("-inf"), lse.to(acc))  # NaN (undefined) propagates
     if p == 1:
         return out, lse
     topology = topology if topology is not None else Topology.from_env()

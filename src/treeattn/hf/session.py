@@ -28,9 +28,11 @@ _OPS = ("extend", "step", "keep", "rewind")
 
 
 def lm_logits(model: torch.nn.Module, hidden: Tensor) -> Tensor:
-    """float32 logits of the LM head for hidden states ``[..., hidden]`` (the model's own
-    final-logit softcapping, e.g. Gemma-2, applied as its ``forward`` does)."""
-    logits = model.get_output_embeddings()(hidden).float()
+    """float32 logits (float64 for a float64 model) of the LM head for hidden states
+    ``[..., hidden]`` (the model's own final-logit softcapping, e.g. Gemma-2, applied as its
+    ``forward`` does)."""
+    logits = model.get_output_embeddings()(hidden)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     cap = getattr(model.config, "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap
@@ -602,9 +604,10 @@ class Session:
             pos = q_pos[rank] if n else torch.full((1,), L0, dtype=torch.int64)  # a placeholder keeps the model happy
             hidden = self._forward(ctx, ids[:, (pos - L0).to(ids.device)], pos[None, :].expand(B, -1))
             if last is None:
-                last = torch.zeros(B, hidden.shape[-1], dtype=torch.float32, device=self.device)
+                acc = torch.promote_types(hidden.dtype, torch.float32)
+                last = torch.zeros(B, hidden.shape[-1], dtype=acc, device=self.device)
             if n:  # who holds each sequence's last token in this window
                 rows, cols = torch.nonzero(q_pos[rank][None, :] == (L0 + lens - 1)[:, None], as_tuple=True)
-                last[rows.to(self.device)] = hidden[rows.to(self.device), cols.to(self.device)].float()
+                last[rows.to(self.device)] = hidden[rows.to(self.device), cols.to(self.device)].to(last.dtype)
         last = all_reduce(last, dist.ReduceOp.SUM, self.group)
         return lm_logits(self.model, last.to(self.dtype))

@@ -1,0 +1,227 @@
+"""treeattn.hf.Session: a stateful property test (seeded random sequences of extend, chain and
+tree steps, keep and rewind) on tiny float64 models at p = 1, 2, 3, both placements, Tree and
+Ring. After every call the logits equal single-process transformers run fresh on the
+committed history (plus the step's ancestors), and every rank's shard holds exactly the
+committed tokens, each at the slot its placement gives it, with the K/V transformers computes."""
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("transformers")
+
+from transformers import DynamicCache  # noqa: E402
+
+from treeattn.hf.session import _cache_kw  # noqa: E402
+from treeattn.launch import launch  # noqa: E402
+
+
+def spread(model) -> tuple[float, float]:
+    """Tolerances for logits and K/V: 2x the largest difference transformers itself shows
+    between two exact orders of the same float64 computation (a 40-token forward, and the
+    same tokens one at a time through its DynamicCache). Its RMSNorm computes in float32
+    even in a float64 model, so these are float32-sized, not float64-sized."""
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(ids, **_cache_kw(model, DynamicCache()), use_cache=True)
+        cache, logits = DynamicCache(), []  # no config: every layer keeps every token
+        for t in range(40):
+            o = model(ids[:, t : t + 1], **_cache_kw(model, cache), use_cache=True)
+            cache = o.past_key_values
+            logits.append(o.logits[:, -1])
+    e_logits = (torch.stack(logits, 1) - full.logits).abs().max().item()
+    e_kv = max(
+        max((a.keys - b.keys).abs().max().item(), (a.values - b.values).abs().max().item())
+        for a, b in zip(full.past_key_values.layers, cache.layers, strict=True)
+    )
+    return 2 * max(e_logits, 1e-12), 2 * max(e_kv, 1e-12)
+
+
+def tiny64(kind: str):
+    from treeattn.hf.cli import build_model
+
+    return build_model(f"tiny-{kind}", None, torch.float64, seed=0)[0]
+
+
+class Reference:
+    """The expected state of a session, computed independently: per sequence the committed
+    ids and the owner rank of every position (the placement rules written out plainly)."""
+
+    def __init__(self, model, placement: str, p: int, block: int = 1):
+        self.m, self.placement, self.p, self.block = model, placement, p, block
+        self.tol, self.kv_tol = spread(model)
+        self.ids: list[list[int]] = []
+        self.owner: list[list[int]] = []
+
+    def _next_owner(self, b: int) -> int:
+        pos = len(self.owner[b])
+        if self.placement == "interleaved":
+            return (pos // self.block) % self.p
+        counts = [self.owner[b].count(r) for r in range(self.p)]
+        return counts.index(min(counts))  # the rank with the fewest tokens, lowest on ties
+
+    def extend(self, rows: list[list[int]]) -> None:
+        if not any(self.ids):
+            self.ids, self.owner = [[] for _ in rows], [[] for _ in rows]
+        padded = max(len(r) for r in rows)
+        empty = not any(self.ids)
+        for b, r in enumerate(rows):
+            if empty and padded > 1:  # a block on an empty session: the prompt split of the padded block
+                if self.placement == "contiguous":
+                    sizes = [padded // self.p + (q < padded % self.p) for q in range(self.p)]
+                    own = [q for q in range(self.p) for _ in range(sizes[q])][: len(r)]
+                else:
+                    own = [(i // self.block) % self.p for i in range(len(r))]
+                self.owner[b] += own
+            else:
+                for _ in r:
+                    self.owner[b].append(self._next_owner(b))
+            self.ids[b] += r
+
+    def keep(self, rows: list[list[int]]) -> None:
+        for b, r in enumerate(rows):
+            for t in r:
+                self.owner[b].append(self._next_owner(b))
+                self.ids[b].append(t)
+
+    def rewind(self, n: int) -> None:
+        self.ids = [x[:n] for x in self.ids]
+        self.owner = [x[:n] for x in self.owner]
+
+    @torch.no_grad()
+    def logits(self, seq: list[int]) -> torch.Tensor:
+        return self.m(torch.tensor([seq])).logits[0, -1]
+
+    @torch.no_grad()
+    def keys(self, seq: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        cache = DynamicCache()  # no config: sliding-window layers keep every token too
+        self.m(torch.tensor([seq]), **_cache_kw(self.m, cache), use_cache=True)
+        return [(layer.keys[0], layer.values[0]) for layer in cache.layers]
+
+
+def check_shards(s, ref: Reference, case: str) -> None:
+    """Every rank's shard holds exactly the committed tokens at its placement's slots."""
+    rank = dist.get_rank()
+    c = s.cache
+    assert s.tokens.shape[0] == len(ref.ids), case
+    for b, seq in enumerate(ref.ids):
+        assert s.tokens[b, : len(seq)].tolist() == seq, f"{case}: history {s.tokens[b].tolist()} != {seq}"
+        mine = [i for i, o in enumerate(ref.owner[b]) if o == rank]
+        n = int(c.kv_lens[b])
+        assert c.positions[b, :n].tolist() == mine, f"{case}: seq {b} rank {rank} holds {c.positions[b, :n]}, {mine}"
+        assert c.counts[b].tolist() == [ref.owner[b].count(r) for r in range(ref.p)], case
+        if mine:
+            for layer, (k, v) in enumerate(ref.keys(seq)):
+                got_k, got_v = c.k[layer][b, :, :n], c.v[layer][b, :, :n]
+                err = max((got_k - k[:, mine]).abs().max().item(), (got_v - v[:, mine]).abs().max().item())
+                assert err <= ref.kv_tol, f"{case}: seq {b} layer {layer}: K/V off by {err:.3g}"
+
+
+def random_tree(rng: random.Random, T: int) -> list[int]:
+    return [-1] + [rng.randrange(-1, i) for i in range(1, T)]
+
+
+def run_case(kind, placement, attention, seed, ops, B=1, ragged=False, chunk=4, max_step=6):
+    from treeattn.hf import Session
+
+    p = dist.get_world_size()
+    rng = random.Random(seed)
+    m = tiny64(kind)
+    V = m.config.vocab_size
+    s = Session(m, placement=placement, attention=attention, prefill_chunk=chunk)
+    ref = Reference(m, placement, p)
+    case = f"p={p} {kind} {placement} {attention} seed={seed}"
+    pending = None  # (tokens per sequence, parents) of the last step
+
+    def toks(T):
+        return [[rng.randrange(V) for _ in range(T)] for _ in range(B)]
+
+    # the first call: a prompt (ragged: right padded)
+    rows = toks(rng.randrange(2, 30))
+    if ragged:
+        rows = [r[: rng.randrange(1, len(r) + 1)] for r in rows]
+    L = max(len(r) for r in rows)
+    ids = torch.tensor([r + [0] * (L - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (L - len(r)) for r in rows])
+    out = s.extend(ids, attention_mask=mask if ragged else None)
+    ref.extend(rows)
+    for b in range(B):
+        assert (out[b] - ref.logits(ref.ids[b])).abs().max() <= ref.tol, f"{case}: first extend"
+    check_shards(s, ref, case)
+    for i in range(ops):
+        op = rng.choice(["extend", "chain", "tree", "tree", "keep", "keep", "rewind"])
+        what = f"{case} op {i} {op}"
+        if op == "keep" and pending is None:
+            op = "chain"
+        if op == "extend":
+            T = rng.choice([1, 1, 2, 3, 9, 17])
+            rows = toks(T)
+            out = s.extend(torch.tensor(rows))
+            ref.extend(rows)
+            pending = None
+            for b in range(B):
+                e = (out[b] - ref.logits(ref.ids[b])).abs().max().item()
+                assert e <= ref.tol, f"{what} T={T}: logits off by {e:.3g}"
+            check_shards(s, ref, what)
+        elif op in ("chain", "tree"):
+            T = rng.randrange(1, max_step + 1)
+            parents = random_tree(rng, T) if op == "tree" else None
+            rows = toks(T)
+            out, hidden = s.step(torch.tensor(rows), parents, return_hidden=True)
+            assert out.shape == (B, T, V) and hidden.shape == (B, T, m.config.hidden_size), what
+            par = parents or list(range(-1, T - 1))
+            for t in range(T):
+                anc, a = [], t
+                while a >= 0:
+                    anc.append(a)
+                    a = par[a]
+                for b in range(B):
+                    seq = ref.ids[b] + [rows[b][j] for j in reversed(anc)]
+                    e = (out[b, t] - ref.logits(seq)).abs().max().item()
+                    assert e <= ref.tol, f"{what} parents={par} token {t}: logits off by {e:.3g}"
+            pending = (rows, par)
+        elif op == "keep":
+            rows, par = pending
+            leaf = rng.randrange(-1, len(par))  # -1: keep nothing
+            path = []
+            while leaf >= 0:
+                path.append(leaf)
+                leaf = par[leaf]
+            path.reverse()
+            s.keep(path)
+            ref.keep([[r[j] for j in path] for r in rows])
+            pending = None
+            check_shards(s, ref, f"{what} path={path}")
+        else:
+            n = rng.randrange(0, len(s) + 1)
+            s.rewind(n)
+            ref.rewind(n)
+            pending = None
+            check_shards(s, ref, f"{what} n={n}")
+            if n == 0:  # an empty session takes a new prompt
+                rows = toks(rng.randrange(1, 12))
+                s.extend(torch.tensor(rows))
+                ref.extend(rows)
+                check_shards(s, ref, what)
+        assert len(s) == max(len(x) for x in ref.ids), what
+
+
+def session_worker(seed0):
+    p = dist.get_world_size()
+    cases = [(k, pl, at) for k in ("llama", "qwen2") for pl in ("contiguous", "interleaved") for at in ("tree", "ring")]
+    for i, (kind, placement, attention) in enumerate(cases):
+        run_case(kind, placement, attention, seed0 + i, ops=14, chunk=(4, None, 7)[i % 3])
+    # a batch of two, and a ragged (right-padded) batch whose later blocks run as chain steps
+    run_case("llama", "interleaved", "tree", seed0 + 50, ops=10, B=2)
+    run_case("qwen2", "contiguous", "ring" if p > 1 else "tree", seed0 + 51, ops=10, B=2, ragged=True)
+    # sliding windows (the block's mask and kv_start per query) and Gemma-2's softcaps
+    # (steps longer than the window of 16: the window also masks inside the block)
+    run_case("mistral", "interleaved", "tree", seed0 + 60, ops=10, chunk=8, max_step=20)
+    run_case("gemma2", "contiguous", "ring", seed0 + 61, ops=10, chunk=8, max_step=20)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+def test_session_random_sequences_match_transformers(p):
+    launch(session_worker, p, (100 * p,), timeout=900)
