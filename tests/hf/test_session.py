@@ -225,3 +225,92 @@ def session_worker(seed0):
 @pytest.mark.parametrize("p", [1, 2, 3])
 def test_session_random_sequences_match_transformers(p):
     launch(session_worker, p, (100 * p,), timeout=900)
+
+
+def same_on_all_ranks(msg: str) -> bool:
+    b = torch.zeros(600, dtype=torch.int64)
+    raw = list(msg.encode()[:600])
+    b[: len(raw)] = torch.tensor(raw, dtype=torch.int64)
+    got = [torch.zeros_like(b) for _ in range(dist.get_world_size())]
+    dist.all_gather(got, b)
+    return all(torch.equal(g, b) for g in got)
+
+
+def bad_calls_worker():
+    from treeattn.hf import Session
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    m = tiny64("llama")
+    V = m.config.vocab_size
+    ref = Reference(m, "contiguous", p)
+    s = Session(m, placement="contiguous", prefill_chunk=4, max_length=60)
+    g = torch.Generator().manual_seed(5)
+
+    def t(n):
+        return torch.randint(0, V, (1, n), generator=g)
+
+    rows = t(20)
+    s.extend(rows)
+    ref.extend(rows.tolist())
+
+    def refused(call, match: str) -> None:
+        before = s.tokens
+        with pytest.raises(ValueError, match=match) as e:
+            call()
+        assert same_on_all_ranks(str(e.value)), f"ranks raised different errors: {e.value}"
+        assert torch.equal(s.tokens, before), f"{match}: the history changed"
+        check_shards(s, ref, f"after the refused call ({match})")
+
+    refused(lambda: s.keep([0]), r"keep\(\) needs a step\(\) first")
+    refused(lambda: s.step(t(3), [-1, 2, 0]), r"parents\[1\] = 2: a token's parent must be an earlier token")
+    refused(lambda: s.step(t(2), [-1, -2]), r"parents\[1\] = -2")
+    refused(lambda: s.step(t(2), [-1]), r"parents must be 2 ints")
+    refused(lambda: s.rewind(21), r"rewind\(n\) needs an int 0 <= n <= len\(session\) = 20, got 21")
+    refused(lambda: s.rewind(-1), r"rewind\(n\) needs")
+    refused(lambda: s.extend(t(41)), r"would take a sequence to 61 tokens, but the session holds at most 60")
+    refused(lambda: s.step(t(41)), r"would take a sequence to 61 tokens")
+    refused(lambda: s.extend(torch.tensor([[V]])), r"must lie in \[0, 512\) \(the model's vocabulary\)")
+    refused(lambda: s.extend(t(2).float()), r"must be integer token ids")
+    refused(lambda: s.extend(torch.zeros(2, 3, dtype=torch.int64)), r"ids has batch 2, but the session holds 1")
+    refused(lambda: s.extend(t(3), attention_mask=torch.tensor([[0, 1, 1]])), r"right padding")
+    if p > 1:  # the same call with other arguments on one rank
+        refused(lambda: s.extend(torch.tensor([[rank]])), r"ranks disagree on token ids checksum")
+        refused(lambda: s.rewind(rank), r"ranks disagree on arguments checksum")
+        refused(lambda: s.step(t(3) * 0 + 7, [-1, 0, 0] if rank else [-1, 0, 1]), r"ranks disagree on arguments")
+    # a tree step, then bad paths: the step stays keepable
+    block = t(4)
+    s.step(block, [-1, 0, 0, 2])
+    refused(lambda: s.keep([2]), r"not a root-to-leaf path of the last step: token 2 hangs off 0, not -1")
+    refused(lambda: s.keep([0, 1, 3]), r"token 3 hangs off 2, not 1")
+    refused(lambda: s.keep([0, 4]), r"path must be indices in \[0, 4\)")
+    if p > 1:
+        refused(lambda: s.keep([0, 2] if rank else [0, 1]), r"ranks disagree on arguments checksum")
+    s.keep([0, 2, 3])
+    ref.keep([[block[0, j].item() for j in (0, 2, 3)]])
+    check_shards(s, ref, "kept after refused keeps")
+    refused(lambda: s.keep([0]), r"keep\(\) needs a step\(\) first \(and each step can be kept once\)")
+    # the cache still answers exactly: a chain step over the untouched history
+    nxt = t(3)
+    out = s.step(nxt)
+    for i in range(3):
+        e = (out[0, i] - ref.logits(ref.ids[0] + nxt[0, : i + 1].tolist())).abs().max().item()
+        assert e <= ref.tol, f"after the refused calls: logits off by {e:.3g}"
+    # bad construction: the same error on every rank
+    for kw, match in (
+        (dict(placement="zigzag"), "placement must be one of"),
+        (dict(attention="flash"), "attention must be one of"),
+        (dict(strategy="fastest"), "strategy must be one of"),
+        (dict(prefill_chunk=0), "prefill_chunk must be an int >= 1 or None"),
+        (dict(max_length=m.config.max_position_embeddings + 1), "max_length must be an int in"),
+        (dict(max_length=60 + rank), "ranks disagree on max_length"),
+    ):
+        if "disagree" in match and p == 1:
+            continue
+        with pytest.raises(ValueError, match=match) as e:
+            Session(m, **kw)
+        assert same_on_all_ranks(str(e.value))
+
+
+@pytest.mark.parametrize("p", [1, 3])
+def test_session_bad_calls_fail_alike_and_change_nothing(p):
+    launch(bad_calls_worker, p, timeout=300)

@@ -37,7 +37,8 @@ def agree(
     device: torch.device | str = "cpu",
 ) -> None:
     """Raise the same ``ValueError`` on every rank of ``group`` if any rank had a local
-    error or the ranks disagree on a field. ``show`` maps a field to a code->name table
+    error (the message alone when every rank had the same one, else each bad rank's
+    message prefixed by ``rank r:``) or the ranks disagree on a field. ``show`` maps a field to a code->name table
     (or ``"float"``) used to print values. One all-gather of ``2 + 240 + 16`` int64."""
     if len(fields) > _FIELDS:
         raise ValueError(f"at most {_FIELDS} metadata fields")
@@ -51,9 +52,9 @@ def agree(
     vec[2 + _MSG : 2 + _MSG + len(fields)] = torch.tensor(list(fields.values()), dtype=torch.int64)
     allv = all_gather(vec.to(device), group).cpu().tolist() if p > 1 else [vec.tolist()]
     bad = [(r, bytes(v[2 : 2 + v[1]]).decode(errors="replace")) for r, v in enumerate(allv) if v[0]]
-    if bad:
-        if local_error is not None and len(bad) == 1:
-            raise ValueError(local_error)
+    if bad:  # the same message on every rank: the error alone if every rank had it, else who said what
+        if len(bad) == p and len({m for _, m in bad}) == 1:
+            raise ValueError(local_error)  # (the untruncated text)
         raise ValueError("; ".join(f"rank {r}: {m}" for r, m in bad))
     show = show or {}
     for i, name in enumerate(fields):
