@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from transformers import DynamicCache  # noqa: E402
 
-from treeattn.hf.session import _cache_kw  # noqa: E402
+from treeattn.hf._steps import _cache_kw  # noqa: E402
 from treeattn.launch import launch  # noqa: E402
 
 

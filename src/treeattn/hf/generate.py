@@ -18,7 +18,8 @@ from transformers.generation.logits_process import (
 
 from ..comm.collectives import world
 from ..comm.validate import agree, float_bits
-from .session import ATTENTIONS, Session, checksum, model_problem
+from ._steps import checksum, model_problem
+from .session import ATTENTIONS, Session
 
 
 def _processors(temperature, top_k, top_p, typical_p, eta_cutoff, device) -> LogitsProcessorList:

@@ -6,8 +6,6 @@ tokens (a chain or a token tree) are run with :meth:`Session.step` and committed
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import time
 from collections.abc import Sequence
 
@@ -17,116 +15,14 @@ from torch import Tensor
 
 from .._host import peak_memory_bytes
 from ..cache import PLACEMENTS, ShardedKVCache
-from ..comm.collectives import all_reduce, world
+from ..comm.collectives import world
 from ..comm.strategies import STRATEGIES
 from ..comm.validate import agree
+from . import _steps as S
 from .attention import ATTN_NAME, StepContext, TreeAttnCache
-from .families import unsupported_reason
 
 ATTENTIONS = ("tree", "ring")
 _OPS = ("extend", "step", "keep", "rewind")
-
-
-def lm_logits(model: torch.nn.Module, hidden: Tensor) -> Tensor:
-    """float32 logits (float64 for a float64 model) of the LM head for hidden states
-    ``[..., hidden]`` (the model's own final-logit softcapping, e.g. Gemma-2, applied as its
-    ``forward`` does)."""
-    logits = model.get_output_embeddings()(hidden)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
-
-
-@functools.cache
-def _cache_name(forward_cls: type) -> str:
-    names = inspect.signature(forward_cls.forward).parameters
-    return "cache" if "cache" in names else "past_key_values"
-
-
-def _cache_kw(decoder: torch.nn.Module, cache) -> dict:
-    """The cache keyword of the decoder's forward: ``cache`` (transformers >= 5.24, where
-    ``past_key_values`` is deprecated) or ``past_key_values``."""
-    return {_cache_name(type(decoder)): cache}
-
-
-def checksum(t: Tensor) -> int:
-    """An order-sensitive integer digest of an integer tensor (for comparing across ranks)."""
-    t = t.detach().cpu().to(torch.int64).reshape(-1)
-    return int(((t + 1) * torch.arange(1, t.numel() + 1)).sum() % (1 << 61)) if t.numel() else 0
-
-
-def model_problem(model: torch.nn.Module) -> str | None:
-    """Why treeattn cannot run ``model`` exactly, or None."""
-    if getattr(model, "config", None) is None:
-        return f"model must be a transformers model with a .config, got {type(model).__name__}"
-    why = unsupported_reason(model.config, training=model.training)
-    if why is None and not getattr(model, "_supports_attention_backend", False):
-        why = (
-            f"{type(model).__name__}: its attention does not go through transformers' attention interface, "
-            "so treeattn cannot run it"
-        )
-    return why
-
-
-def prefill_windows(positions: list[Tensor], lo: int, hi: int, chunk: int | None) -> list[tuple[int, int]]:
-    """Split the global positions ``[lo, hi)`` into consecutive windows in which no rank holds
-    more than ``chunk`` tokens (``positions[r]``: rank r's sorted positions in ``[lo, hi)``;
-    None: one window). Causal attention needs the windows in position order: a query may
-    only run once every earlier key exists. Interleaved placement gives every rank
-    ``chunk`` tokens per window; contiguous placement runs the ranks' chunks one after another."""
-    if not chunk:
-        return [(lo, hi)]
-    out = []
-    while lo < hi:
-        end = hi
-        for x in positions:
-            i = int(torch.searchsorted(x, lo))
-            if i + chunk < len(x):
-                end = min(end, int(x[i + chunk]))
-        out.append((lo, end))
-        lo = end
-    return out
-
-
-def _right_padded(mask: Tensor, B: int, T: int) -> Tensor:
-    m = mask.detach().cpu().to(torch.int64)
-    if m.shape != (B, T):
-        raise ValueError(f"attention_mask must be [B, T]={(B, T)}, got {tuple(m.shape)}")
-    lens = m.sum(1)
-    if not torch.equal(m, (torch.arange(T)[None, :] < lens[:, None]).to(torch.int64)):
-        raise ValueError(
-            "attention_mask must describe right padding (1...1 0...0 per row); left padding is not supported"
-        )
-    return lens
-
-
-def tree_of(parents: Sequence[int] | None, T: int) -> tuple[list[int], Tensor, Tensor]:
-    """``(parents, depth [T], sees [T, T] bool)`` of a block; ``sees[i, j]``: j is i or an
-    ancestor of i. Raises ValueError for a parent that points forward or out of range."""
-    if parents is None:
-        parents = list(range(-1, T - 1))
-    else:
-        if isinstance(parents, Tensor):
-            parents = parents.tolist()
-        parents = list(parents)
-        if len(parents) != T or not all(isinstance(x, int) and not isinstance(x, bool) for x in parents):
-            raise ValueError(f"parents must be {T} ints (one per token), got {parents!r}")
-        bad = [i for i, x in enumerate(parents) if not -1 <= x < i]
-        if bad:
-            i = bad[0]
-            raise ValueError(
-                f"parents[{i}] = {parents[i]}: a token's parent must be an earlier token of the block "
-                f"(0 <= parent < {i}) or -1 (the last committed token)"
-            )
-    depth = torch.zeros(T, dtype=torch.int64)
-    sees = torch.eye(T, dtype=torch.bool)
-    for i, a in enumerate(parents):
-        if a >= 0:
-            depth[i] = depth[a] + 1
-            sees[i] |= sees[a]
-    return parents, depth, sees
 
 
 class Session:
@@ -190,7 +86,7 @@ class Session:
                 raise ValueError(f"prefill_chunk must be an int >= 1 or None, got {prefill_chunk!r}")
             if not isinstance(block, int) or block < 1:
                 raise ValueError(f"block must be an int >= 1, got {block!r}")
-            why = model_problem(model)
+            why = S.model_problem(model)
             if why is not None:
                 raise ValueError(why)
             max_pos = getattr(model.config, "max_position_embeddings", None) or (1 << 62)
@@ -294,7 +190,8 @@ class Session:
                 whose ids come from identical computation on every rank may pass False.
 
         Returns:
-            ``[B, V]`` float32 logits at each sequence's last appended token.
+            ``[B, V]`` float32 logits (float64 for a float64 model) at each sequence's last
+            appended token.
 
         Raises:
             ValueError: on every rank: bad ids or mask, a batch size that differs from the
@@ -304,7 +201,7 @@ class Session:
         err, lens = None, None
         try:
             B, T = self._check_ids(ids, "ids")
-            lens = torch.full((B,), T, dtype=torch.int64) if attention_mask is None else _right_padded(
+            lens = torch.full((B,), T, dtype=torch.int64) if attention_mask is None else S.right_padded(
                 attention_mask, B, T)  # fmt: skip
             if bool((lens < 1).any()):
                 raise ValueError(f"every sequence must append at least one token, got lengths {lens.tolist()}")
@@ -315,7 +212,7 @@ class Session:
         except ValueError as e:
             err = str(e)
         if check:
-            self._agree("extend", err, ids, extra=checksum(lens) if lens is not None else -1)
+            self._agree("extend", err, ids, extra=S.checksum(lens) if lens is not None else -1)
         elif err is not None:
             raise ValueError(err)
         t0 = time.perf_counter()
@@ -326,12 +223,12 @@ class Session:
         try:
             with self._treeattn():
                 if T == 1 or self.cache.uniform():
-                    out = self._decode_one(ids[:, 0]) if T == 1 else self._prefill(ids, lens)
+                    out = S.decode_one(self, ids[:, 0]) if T == 1 else S.prefill(self, ids, lens)
                     self._commit(ids.detach().cpu().to(torch.int64), before, lens)
                 else:  # a ragged batch: chains of prefill_chunk tokens, stepped and kept (kept = committed)
                     n = self.prefill_chunk or T
                     for a in range(0, T, n):
-                        logits = self._step(ids[:, a : a + n], tree_of(None, min(n, T - a)))[0]
+                        logits = S.tree_step(self, ids[:, a : a + n], S.tree_of(None, min(n, T - a)))[0]
                         self._keep(list(range(logits.shape[1])))
                     out = logits[:, -1]
         except BaseException:
@@ -365,7 +262,7 @@ class Session:
             check: as :meth:`extend`.
 
         Returns:
-            ``[B, T, V]`` float32 logits (each token's next-token distribution); with
+            ``[B, T, V]`` float32 logits (float64 for a float64 model) of each token; with
             ``return_hidden`` also ``[B, T, hidden]`` in the model's dtype.
 
         Raises:
@@ -375,19 +272,19 @@ class Session:
         err, tree = None, None
         try:
             B, T = self._check_ids(tokens, "tokens")
-            tree = tree_of(parents, T)
+            tree = S.tree_of(parents, T)
             self._check_room(torch.full((B,), int(tree[1].max()) + 1), B)
         except ValueError as e:
             err = str(e)
         if check:
-            self._agree("step", err, tokens, extra=checksum(torch.tensor(tree[0])) if tree else -1)
+            self._agree("step", err, tokens, extra=S.checksum(torch.tensor(tree[0])) if tree else -1)
         elif err is not None:
             raise ValueError(err)
         t0 = time.perf_counter()
         self._pending = None
         self._ensure_cache(tokens.shape[0])
         with self._treeattn():
-            logits, hidden = self._step(tokens, tree)
+            logits, hidden = S.tree_step(self, tokens, tree)
         self._account("step", tokens.numel(), t0)
         return (logits, hidden) if return_hidden else logits
 
@@ -411,23 +308,11 @@ class Session:
         try:
             if self._pending is None:
                 raise ValueError("keep() needs a step() first (and each step can be kept once)")
-            if isinstance(path, Tensor):
-                path = path.tolist()
-            path = list(path)
-            parents = self._pending[1]
-            if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < len(parents) for x in path):
-                raise ValueError(f"path must be indices in [0, {len(parents)}) of the last step, got {path!r}")
-            for i, x in enumerate(path):
-                want = path[i - 1] if i else -1
-                if parents[x] != want:
-                    raise ValueError(
-                        f"path {path} is not a root-to-leaf path of the last step: token {x} hangs off "
-                        f"{parents[x]}, not {want}"
-                    )
+            path = S.check_path(path, self._pending[1])
         except ValueError as e:
             err = str(e)
         if check:
-            self._agree("keep", err, None, extra=checksum(torch.tensor(path)) if err is None else -1)
+            self._agree("keep", err, None, extra=S.checksum(torch.tensor(path)) if err is None else -1)
         elif err is not None:
             raise ValueError(err)
         self._keep(path)
@@ -448,24 +333,15 @@ class Session:
 
     # -- internals -------------------------------------------------------------------
     def _check_ids(self, ids, what: str) -> tuple[int, int]:
-        if not isinstance(ids, Tensor) or ids.ndim != 2 or ids.shape[1] < 1 or ids.shape[0] < 1:
-            got = tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__
-            raise ValueError(f"{what} must be a [B, T] integer tensor with B, T >= 1, got {got}")
-        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-            raise ValueError(f"{what} must be integer token ids, got {ids.dtype}")
-        V = self.model.config.vocab_size
-        if int(ids.min()) < 0 or int(ids.max()) >= V:
-            raise ValueError(f"{what} must lie in [0, {V}) (the model's vocabulary)")
+        S.check_ids(ids, what, self.model.config.vocab_size)
         B = ids.shape[0]
         if len(self) and B != self.batch:
             raise ValueError(f"{what} has batch {B}, but the session holds {self.batch} sequences (rewind(0) first)")
         return B, ids.shape[1]
 
-    def _lens_for(self, B: int) -> Tensor:
-        return self._lens if len(self) or B == self.batch else torch.zeros(B, dtype=torch.int64)
-
     def _check_room(self, add: Tensor, B: int) -> None:
-        end = int((self._lens_for(B) + add).max())
+        base = self._lens if len(self) or B == self.batch else torch.zeros(B, dtype=torch.int64)
+        end = int((base + add).max())
         if end > self.max_length:
             raise ValueError(
                 f"this call would take a sequence to {end} tokens, but the session holds at most "
@@ -478,7 +354,7 @@ class Session:
             "call": _OPS.index(op),
             "batch": ids.shape[0] if ok and ids is not None else -1,
             "tokens": ids.shape[1] if ok and ids is not None else -1,
-            "token ids checksum": checksum(ids) if ok and ids is not None else -1,
+            "token ids checksum": S.checksum(ids) if ok and ids is not None else -1,
             "arguments checksum": extra,
             "committed tokens": int(self._lens.sum()),
         }
@@ -533,7 +409,7 @@ class Session:
         return self.decoder(
             input_ids=ids,
             position_ids=pos.to(self.device),
-            **_cache_kw(self.decoder, self._tc),
+            **S._cache_kw(self.decoder, self._tc),
             use_cache=True,
             treeattn_ctx=ctx,
         ).last_hidden_state
@@ -546,24 +422,6 @@ class Session:
         rows = torch.arange(self.batch)[:, None].expand(-1, T)
         self._ids[rows[real], (before[:, None] + torch.arange(T)[None, :])[real]] = ids[real]
         self._lens = before + lens
-
-    def _decode_one(self, tok: Tensor) -> Tensor:
-        c = self.cache
-        pos = c.seq_lens.clone()
-        c.begin_decode_step()
-        ctx = StepContext(c, "decode", self.attention, self.strategy, self.group, kv_lens=c.kv_lens.clone().to(
-            self.device), q_pos=pos)  # fmt: skip
-        return lm_logits(self.model, self._forward(ctx, tok[:, None], pos[:, None])[:, -1])
-
-    def _step(self, tokens: Tensor, tree: tuple[list[int], Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-        parents, depth, sees = tree
-        c = self.cache
-        q_pos = self._lens[:, None] + depth[None, :]
-        ctx = StepContext(c, "step", self.attention, self.strategy, self.group, kv_lens=c.kv_lens.to(self.device),
-                          q_pos=q_pos, tree=sees, depth=depth)  # fmt: skip
-        hidden = self._forward(ctx, tokens, q_pos)
-        self._pending = (tokens.detach().cpu().to(torch.int64), parents, ctx.stash)
-        return lm_logits(self.model, hidden), hidden
 
     def _keep(self, path: list[int]) -> None:
         tokens, _, stash = self._pending
@@ -583,31 +441,3 @@ class Session:
                 raise
             self._commit(tokens[:, idx], before, torch.full_like(before, n))
         self.counters["kept_tokens"] += n * self.batch
-
-    def _prefill(self, ids: Tensor, lens: Tensor) -> Tensor:
-        """Every rank runs the tokens it will hold, window by window in position order, and
-        stores their K/V; returns the float32 logits of each sequence's last token."""
-        c, rank = self.cache, self.rank
-        B, T = ids.shape
-        L0 = int(c.seq_lens[0])
-        old = [c.rank_positions(r) for r in range(self.p)]
-        new, base = c.begin_extend(lens, T)
-        last = None
-        for lo, hi in prefill_windows(new, L0, L0 + T, self.prefill_chunk):
-            a = [int(torch.searchsorted(x, lo)) for x in new]
-            b = [int(torch.searchsorted(x, hi)) for x in new]
-            q_pos = [x[i:j] for x, i, j in zip(new, a, b, strict=True)]
-            n = len(q_pos[rank])
-            ctx = StepContext(c, "prefill", self.attention, self.strategy, self.group,
-                              positions=[torch.cat([o, x[:j]]) for o, x, j in zip(old, new, b, strict=True)],
-                              q_positions=q_pos, n_real=n, start=base + a[rank])  # fmt: skip
-            pos = q_pos[rank] if n else torch.full((1,), L0, dtype=torch.int64)  # a placeholder keeps the model happy
-            hidden = self._forward(ctx, ids[:, (pos - L0).to(ids.device)], pos[None, :].expand(B, -1))
-            if last is None:
-                acc = torch.promote_types(hidden.dtype, torch.float32)
-                last = torch.zeros(B, hidden.shape[-1], dtype=acc, device=self.device)
-            if n:  # who holds each sequence's last token in this window
-                rows, cols = torch.nonzero(q_pos[rank][None, :] == (L0 + lens - 1)[:, None], as_tuple=True)
-                last[rows.to(self.device)] = hidden[rows.to(self.device), cols.to(self.device)].to(last.dtype)
-        last = all_reduce(last, dist.ReduceOp.SUM, self.group)
-        return lm_logits(self.model, last.to(self.dtype))

@@ -1,0 +1,196 @@
+"""What one call of a :class:`treeattn.hf.Session` runs: logits, token trees, prefill windows,
+the block prefill, and the argument checks it shares with :func:`treeattn.hf.generate`."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..comm.collectives import all_reduce
+from .attention import StepContext
+from .families import unsupported_reason
+
+
+def lm_logits(model: torch.nn.Module, hidden: Tensor) -> Tensor:
+    """float32 logits (float64 for a float64 model) of the LM head for hidden states
+    ``[..., hidden]`` (the model's own final-logit softcapping, e.g. Gemma-2, applied as its
+    ``forward`` does)."""
+    logits = model.get_output_embeddings()(hidden)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+@functools.cache
+def _cache_name(forward_cls: type) -> str:
+    names = inspect.signature(forward_cls.forward).parameters
+    return "cache" if "cache" in names else "past_key_values"
+
+
+def _cache_kw(decoder: torch.nn.Module, cache) -> dict:
+    """The cache keyword of the decoder's forward: ``cache`` (transformers >= 5.24, where
+    ``past_key_values`` is deprecated) or ``past_key_values``."""
+    return {_cache_name(type(decoder)): cache}
+
+
+def checksum(t: Tensor) -> int:
+    """An order-sensitive integer digest of an integer tensor (for comparing across ranks)."""
+    t = t.detach().cpu().to(torch.int64).reshape(-1)
+    return int(((t + 1) * torch.arange(1, t.numel() + 1)).sum() % (1 << 61)) if t.numel() else 0
+
+
+def model_problem(model: torch.nn.Module) -> str | None:
+    """Why treeattn cannot run ``model`` exactly, or None."""
+    if getattr(model, "config", None) is None:
+        return f"model must be a transformers model with a .config, got {type(model).__name__}"
+    why = unsupported_reason(model.config, training=model.training)
+    if why is None and not getattr(model, "_supports_attention_backend", False):
+        why = (
+            f"{type(model).__name__}: its attention does not go through transformers' attention interface, "
+            "so treeattn cannot run it"
+        )
+    return why
+
+
+def prefill_windows(positions: list[Tensor], lo: int, hi: int, chunk: int | None) -> list[tuple[int, int]]:
+    """Split the global positions ``[lo, hi)`` into consecutive windows in which no rank holds
+    more than ``chunk`` tokens (``positions[r]``: rank r's sorted positions in ``[lo, hi)``;
+    None: one window). Causal attention needs the windows in position order: a query may
+    only run once every earlier key exists. Interleaved placement gives every rank
+    ``chunk`` tokens per window; contiguous placement runs the ranks' chunks one after another."""
+    if not chunk:
+        return [(lo, hi)]
+    out = []
+    while lo < hi:
+        end = hi
+        for x in positions:
+            i = int(torch.searchsorted(x, lo))
+            if i + chunk < len(x):
+                end = min(end, int(x[i + chunk]))
+        out.append((lo, end))
+        lo = end
+    return out
+
+
+def right_padded(mask: Tensor, B: int, T: int) -> Tensor:
+    m = mask.detach().cpu().to(torch.int64)
+    if m.shape != (B, T):
+        raise ValueError(f"attention_mask must be [B, T]={(B, T)}, got {tuple(m.shape)}")
+    lens = m.sum(1)
+    if not torch.equal(m, (torch.arange(T)[None, :] < lens[:, None]).to(torch.int64)):
+        raise ValueError(
+            "attention_mask must describe right padding (1...1 0...0 per row); left padding is not supported"
+        )
+    return lens
+
+
+def tree_of(parents: Sequence[int] | None, T: int) -> tuple[list[int], Tensor, Tensor]:
+    """``(parents, depth [T], sees [T, T] bool)`` of a block; ``sees[i, j]``: j is i or an
+    ancestor of i. Raises ValueError for a parent that points forward or out of range."""
+    if parents is None:
+        parents = list(range(-1, T - 1))
+    else:
+        if isinstance(parents, Tensor):
+            parents = parents.tolist()
+        parents = list(parents)
+        if len(parents) != T or not all(isinstance(x, int) and not isinstance(x, bool) for x in parents):
+            raise ValueError(f"parents must be {T} ints (one per token), got {parents!r}")
+        bad = [i for i, x in enumerate(parents) if not -1 <= x < i]
+        if bad:
+            i = bad[0]
+            raise ValueError(
+                f"parents[{i}] = {parents[i]}: a token's parent must be an earlier token of the block "
+                f"(0 <= parent < {i}) or -1 (the last committed token)"
+            )
+    depth = torch.zeros(T, dtype=torch.int64)
+    sees = torch.eye(T, dtype=torch.bool)
+    for i, a in enumerate(parents):
+        if a >= 0:
+            depth[i] = depth[a] + 1
+            sees[i] |= sees[a]
+    return parents, depth, sees
+
+
+def prefill(self, ids: Tensor, lens: Tensor) -> Tensor:
+    """:meth:`Session.extend` of a block on a uniform cache (``self``: the session). Every rank runs the tokens it will hold, window by window in position order, and
+    stores their K/V; returns the float32 logits of each sequence's last token."""
+    c, rank = self.cache, self.rank
+    B, T = ids.shape
+    L0 = int(c.seq_lens[0])
+    old = [c.rank_positions(r) for r in range(self.p)]
+    new, base = c.begin_extend(lens, T)
+    last = None
+    for lo, hi in prefill_windows(new, L0, L0 + T, self.prefill_chunk):
+        a = [int(torch.searchsorted(x, lo)) for x in new]
+        b = [int(torch.searchsorted(x, hi)) for x in new]
+        q_pos = [x[i:j] for x, i, j in zip(new, a, b, strict=True)]
+        n = len(q_pos[rank])
+        ctx = StepContext(c, "prefill", self.attention, self.strategy, self.group,
+                          positions=[torch.cat([o, x[:j]]) for o, x, j in zip(old, new, b, strict=True)],
+                          q_positions=q_pos, n_real=n, start=base + a[rank])  # fmt: skip
+        pos = q_pos[rank] if n else torch.full((1,), L0, dtype=torch.int64)  # a placeholder keeps the model happy
+        hidden = self._forward(ctx, ids[:, (pos - L0).to(ids.device)], pos[None, :].expand(B, -1))
+        if last is None:
+            acc = torch.promote_types(hidden.dtype, torch.float32)
+            last = torch.zeros(B, hidden.shape[-1], dtype=acc, device=self.device)
+        if n:  # who holds each sequence's last token in this window
+            rows, cols = torch.nonzero(q_pos[rank][None, :] == (L0 + lens - 1)[:, None], as_tuple=True)
+            last[rows.to(self.device)] = hidden[rows.to(self.device), cols.to(self.device)].to(last.dtype)
+    last = all_reduce(last, dist.ReduceOp.SUM, self.group)
+    return lm_logits(self.model, last.to(self.dtype))
+
+
+def decode_one(self, tok: Tensor) -> Tensor:
+    """:meth:`Session.extend` of one token per sequence: placed, stored, then attention over the cache."""
+    c = self.cache
+    pos = c.seq_lens.clone()
+    c.begin_decode_step()
+    ctx = StepContext(c, "decode", self.attention, self.strategy, self.group, kv_lens=c.kv_lens.clone().to(
+        self.device), q_pos=pos)  # fmt: skip
+    return lm_logits(self.model, self._forward(ctx, tok[:, None], pos[:, None])[:, -1])
+
+
+def tree_step(self, tokens: Tensor, tree: tuple[list[int], Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """:meth:`Session.step`: the block runs with its K/V kept aside in ``self._pending``."""
+    parents, depth, sees = tree
+    c = self.cache
+    q_pos = self._lens[:, None] + depth[None, :]
+    ctx = StepContext(c, "step", self.attention, self.strategy, self.group, kv_lens=c.kv_lens.to(self.device),
+                      q_pos=q_pos, tree=sees, depth=depth)  # fmt: skip
+    hidden = self._forward(ctx, tokens, q_pos)
+    self._pending = (tokens.detach().cpu().to(torch.int64), parents, ctx.stash)
+    return lm_logits(self.model, hidden), hidden
+
+
+def check_ids(ids, what: str, V: int) -> None:
+    """ValueError unless ``ids`` is a ``[B, T]`` integer tensor of ids in ``[0, V)``, B, T >= 1."""
+    if not isinstance(ids, Tensor) or ids.ndim != 2 or ids.shape[1] < 1 or ids.shape[0] < 1:
+        got = tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__
+        raise ValueError(f"{what} must be a [B, T] integer tensor with B, T >= 1, got {got}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"{what} must be integer token ids, got {ids.dtype}")
+    if int(ids.min()) < 0 or int(ids.max()) >= V:
+        raise ValueError(f"{what} must lie in [0, {V}) (the model's vocabulary)")
+
+
+def check_path(path, parents: list[int]) -> list[int]:
+    """``path`` as a list, or ValueError unless it runs from the root of the tree ``parents`` down."""
+    if isinstance(path, Tensor):
+        path = path.tolist()
+    path = list(path)
+    if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < len(parents) for x in path):
+        raise ValueError(f"path must be indices in [0, {len(parents)}) of the last step, got {path!r}")
+    for i, x in enumerate(path):
+        want = path[i - 1] if i else -1
+        if parents[x] != want:
+            raise ValueError(
+                f"path {path} is not a root-to-leaf path of the last step: token {x} hangs off {parents[x]}, not {want}"
+            )
+    return path
