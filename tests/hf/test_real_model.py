@@ -130,3 +130,73 @@ def test_cli_prompt_file_from_stdin_with_system(smol):
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout and "identical to single-process model.generate" in r.stderr
     assert "tokens[" not in r.stdout  # --no-stream prints the text, as it would have streamed
+
+
+DOC_TOKENS = 1500
+QUESTIONS = (
+    "What is the secret code for the vault in Saltmere? Answer with the number.",
+    "Name one of the goods that the harbors shipped. Answer in one word.",
+)
+
+
+@pytest.fixture(scope="session")
+def smol_doc(smol):
+    """One document, two questions: the chat prompts, their common prefix and single-process
+    greedy answers."""
+    from treeattn.hf.haystack import QUESTION, haystack
+    from treeattn.hf.models import load_model
+
+    model, tok = load_model(smol["dir"])
+    doc = haystack(tok, DOC_TOKENS).removesuffix(QUESTION)
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": doc + q}], add_generation_prompt=True,
+                                return_tensors="pt", return_dict=True)["input_ids"]
+        for q in QUESTIONS
+    ]  # fmt: skip
+    n = min(p.shape[1] for p in prompts)
+    same = (prompts[0][0, :n] == prompts[1][0, :n]).long().cumprod(0)
+    prefix = int(same.sum())
+    assert prefix > DOC_TOKENS, prefix
+    refs = [
+        model.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=NEW, do_sample=False)[:, p.shape[1] :]
+        for p in prompts
+    ]
+    assert "7319" in tok.decode(refs[0][0]) and not torch.equal(refs[0][:, :3], refs[1][:, :3])
+    return {"dir": smol["dir"], "prompts": prompts, "prefix": prefix, "refs": refs}
+
+
+def session_worker(model_dir, prompts, prefix, refs):
+    from treeattn.comm.collectives import all_gather
+    from treeattn.hf import Session
+    from treeattn.hf.models import load_model
+
+    model, _ = load_model(model_dir)
+    eos = model.generation_config.eos_token_id
+    eos = {eos} if isinstance(eos, int) else set(eos)
+    for placement, attention in (("interleaved", "tree"), ("contiguous", "ring")):
+        s = Session(model, placement=placement, attention=attention, prefill_chunk=512)
+        s.extend(prompts[0][:, :prefix])  # the document, once
+        for q, (ids, ref) in enumerate(zip(prompts, refs, strict=True)):
+            s.rewind(prefix)  # back to the document's end: the last answer and question go
+            assert s.common_prefix(ids) == prefix
+            logits = s.extend(ids[:, prefix:])
+            out = []
+            while True:
+                tok = logits.argmax(-1)
+                out.append(int(tok))
+                if out[-1] in eos or len(out) == NEW:
+                    break
+                logits = s.extend(tok[:, None])
+            got = torch.tensor([out])
+            case = f"{placement} {attention} question {q}"
+            assert all(torch.equal(x, got) for x in all_gather(got, None)), f"{case}: tokens differ across ranks"
+            assert torch.equal(got, ref), f"{case}: {got.tolist()} != {ref.tolist()}"
+        # the document ran once: every later extend was a question or an answer token
+        rest = sum(p.shape[1] - prefix for p in prompts) + sum(r.shape[1] - 1 for r in refs)
+        assert s.counters["extend_tokens"] == prefix + rest, s.counters
+
+
+@pytest.mark.parametrize("p", [2])
+def test_smollm2_session_document_once_two_questions(smol_doc, p):
+    d = smol_doc
+    launch(session_worker, p, (d["dir"], d["prompts"], d["prefix"], d["refs"]), timeout=1200)
