@@ -113,7 +113,9 @@ def generate(
     the shards (``attention="tree"``: Tree prefill, the chunk's queries gathered and the
     states reduced, traffic independent of the context; ``"ring"``: Ring Attention prefill).
     Every decoded token is then run on all ranks with attention over the sharded cache by
-    Tree decoding (reduction ``strategy``) or Ring decoding.
+    Tree decoding (reduction ``strategy``) or Ring decoding. It is a loop over a
+    :class:`treeattn.hf.Session` (``extend`` of the prompt, then of each token) whose cache
+    is dropped on return: keep a Session yourself to ask several questions of one document.
 
     Args:
         model: a transformers causal LM (Llama, Mistral, Qwen2, Gemma-2/3 families; see the
