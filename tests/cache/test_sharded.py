@@ -101,3 +101,47 @@ def mismatch_worker():
 
 def test_sharded_cache_validates_once_across_ranks():
     launch(mismatch_worker, 2, timeout=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    kind=st.sampled_from(["contiguous", "interleaved"]),
+    p=st.integers(1, 6),
+    block=st.integers(1, 4),
+    counts=st.lists(st.integers(0, 9), min_size=6, max_size=6),
+    n=st.integers(0, 40),
+    prompt=st.booleans(),
+)
+def test_block_owners_is_decode_owner_token_by_token(kind, p, block, counts, n, prompt):
+    pl = Placement(kind, p, block)
+    c = torch.tensor(counts[:p])
+    start = int(c.sum())
+    got = pl.block_owners(c, start, n, prompt=prompt).tolist()
+    if prompt and start == 0:  # an empty sequence takes the prompt split
+        want = [r for i in range(n) for r in range(p) if i in pl.prompt_positions(r, n).tolist()]
+    else:
+        want, cc = [], c.clone()[None]
+        for j in range(n):
+            o = int(pl.decode_owner(torch.tensor([start + j]), cc)[0])
+            want.append(o)
+            cc[0, o] += 1
+    assert got == want
+
+
+def test_slots_before_per_query_and_rewind():
+    """One process: kv_start per query ([B, T] bounds) after ragged blocks and a rewind."""
+    c = ShardedKVCache(1, 2, 1, 2, placement="contiguous")
+    c.begin_extend(torch.tensor([5, 3]), 5)  # ragged prompt on an empty cache
+    assert not c.uniform() and c.seq_lens.tolist() == [5, 3]
+    b, j, slots = c.place(4)  # every token on the only rank, after each sequence's own length
+    assert b.tolist() == [0] * 4 + [1] * 4 and slots.tolist() == [5, 6, 7, 8, 3, 4, 5, 6]
+    assert c.positions[1, :7].tolist() == list(range(7))
+    bound = torch.tensor([[0, 4, 9], [2, 3, 100]])
+    got = c.slots_before(bound)
+    want = torch.tensor([[sum(int(x) < int(bd) for x in c.positions[s, : int(c.kv_lens[s])]) for bd in bound[s]]
+                         for s in range(2)])  # fmt: skip
+    assert torch.equal(got, want), (got, want)
+    c.rewind(torch.tensor([2, 6]))
+    assert c.seq_lens.tolist() == [2, 6] and c.slots_before(100).tolist() == [2, 6]
+    c.rewind(2)
+    assert c.uniform() and c.seq_lens.tolist() == [2, 2]

@@ -272,7 +272,7 @@ class ShardedKVCache:
         pos = self.positions[:, : self.used]
         valid = torch.arange(pos.shape[1])[None, :] < self.kv_lens[:, None]
         pos = torch.where(valid, pos, torch.iinfo(torch.int64).max)  # sorted rows: valid prefix, then the max
-        return torch.searchsorted(pos, bound.reshape(self.B, -1)).reshape(bound.shape)
+        return torch.searchsorted(pos, bound.reshape(self.B, -1).contiguous()).reshape(bound.shape)
 
     def window_start(self, window: int | None, q_pos: Tensor) -> Tensor | None:
         """``kv_start`` (``[B]`` or ``[B, T]`` int64, on the cache's device) of queries at global
