@@ -249,6 +249,8 @@ def bad_calls_worker():
     def t(n):
         return torch.randint(0, V, (1, n), generator=g)
 
+    s.rewind(0)  # a fresh session: nothing to forget, nothing to reuse
+    assert len(s) == 0 and s.common_prefix([1, 2, 3]) == 0
     rows = t(20)
     s.extend(rows)
     ref.extend(rows.tolist())
@@ -273,8 +275,12 @@ def bad_calls_worker():
     refused(lambda: s.extend(t(2).float()), r"must be integer token ids")
     refused(lambda: s.extend(torch.zeros(2, 3, dtype=torch.int64)), r"ids has batch 2, but the session holds 1")
     refused(lambda: s.extend(t(3), attention_mask=torch.tensor([[0, 1, 1]])), r"right padding")
+    refused(lambda: s.extend(t(2), attention_mask=[[1, 1]]), r"attention_mask must be a \[B, T\] tensor, got list")
+    refused(lambda: s.step(t(2), 5), r"parents must be a sequence of 2 ints or None, got int")
     if p > 1:  # the same call with other arguments on one rank
         refused(lambda: s.extend(torch.tensor([[rank]])), r"ranks disagree on token ids checksum")
+        other = torch.tensor([[2, 0]]) if rank else torch.tensor([[0, 1]])  # equal sums of (id + 1) * index
+        refused(lambda: s.extend(other), r"ranks disagree on token ids checksum")
         refused(lambda: s.rewind(rank), r"ranks disagree on arguments checksum")
         refused(lambda: s.step(t(3) * 0 + 7, [-1, 0, 0] if rank else [-1, 0, 1]), r"ranks disagree on arguments")
     # a tree step, then bad paths: the step stays keepable
@@ -283,6 +289,7 @@ def bad_calls_worker():
     refused(lambda: s.keep([2]), r"not a root-to-leaf path of the last step: token 2 hangs off 0, not -1")
     refused(lambda: s.keep([0, 1, 3]), r"token 3 hangs off 2, not 1")
     refused(lambda: s.keep([0, 4]), r"path must be indices in \[0, 4\)")
+    refused(lambda: s.keep(None), r"path must be a list of indices into the last step, got NoneType")
     if p > 1:
         refused(lambda: s.keep([0, 2] if rank else [0, 1]), r"ranks disagree on arguments checksum")
     s.keep([0, 2, 3])

@@ -34,15 +34,18 @@ def agree(
     *,
     group: dist.ProcessGroup | None = None,
     show: dict[str, dict[int, str] | str] | None = None,
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = None,
 ) -> None:
     """Raise the same ``ValueError`` on every rank of ``group`` if any rank had a local
     error (the message alone when every rank had the same one, else each bad rank's
     message prefixed by ``rank r:``) or the ranks disagree on a field. ``show`` maps a field to a code->name table
-    (or ``"float"``) used to print values. One all-gather of ``2 + 240 + 16`` int64."""
+    (or ``"float"``) used to print values. One all-gather of ``2 + 240 + 16`` int64 on
+    ``device`` (default: the current CUDA device on an NCCL group, else the CPU)."""
     if len(fields) > _FIELDS:
         raise ValueError(f"at most {_FIELDS} metadata fields")
     rank, p = world(group)
+    if device is None:
+        device = _default_device(group) if p > 1 else "cpu"
     msg = (local_error or "").encode()[:_MSG]
     vec = torch.zeros(2 + _MSG + _FIELDS, dtype=torch.int64)
     vec[0] = local_error is not None
@@ -53,8 +56,8 @@ def agree(
     allv = all_gather(vec.to(device), group).cpu().tolist() if p > 1 else [vec.tolist()]
     bad = [(r, bytes(v[2 : 2 + v[1]]).decode(errors="replace")) for r, v in enumerate(allv) if v[0]]
     if bad:  # the same message on every rank: the error alone if every rank had it, else who said what
-        if len(bad) == p and len({m for _, m in bad}) == 1:
-            raise ValueError(local_error)  # (the untruncated text)
+        if len(bad) == p and len({m for _, m in bad}) == 1:  # (untruncated when it fit: the same text)
+            raise ValueError(local_error if len(local_error.encode()) <= _MSG else bad[0][1])
         raise ValueError("; ".join(f"rank {r}: {m}" for r, m in bad))
     show = show or {}
     for i, name in enumerate(fields):
@@ -70,3 +73,12 @@ def agree(
             per = ", ".join(f"rank {r}: {t}" for r, t in enumerate(txt))
             raise ValueError(f"ranks disagree on {name} ({per}); every rank must pass the same {name}")
     del rank
+
+
+def _default_device(group) -> torch.device | str:
+    try:
+        if dist.get_backend(group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+    except (RuntimeError, ValueError):
+        pass
+    return "cpu"

@@ -40,10 +40,20 @@ def _cache_kw(decoder: torch.nn.Module, cache) -> dict:
     return {_cache_name(type(decoder)): cache}
 
 
+_P = (1 << 31) - 1
+_W: list[Tensor] = [torch.zeros(0, dtype=torch.int64)]
+
+
 def checksum(t: Tensor) -> int:
-    """An order-sensitive integer digest of an integer tensor (for comparing across ranks)."""
+    """An integer digest of an integer tensor's shape and values, for comparing across ranks:
+    a sum of ``(value + 1) * w_i mod (2^31 - 1)`` with fixed pseudo-random weights per index
+    (the same on every rank), so two different tensors collide only by chance (~2^-31)."""
     t = t.detach().cpu().to(torch.int64).reshape(-1)
-    return int(((t + 1) * torch.arange(1, t.numel() + 1)).sum() % (1 << 61)) if t.numel() else 0
+    n = t.numel()
+    if len(_W[0]) < n:
+        _W[0] = torch.randint(1, _P, (max(n, 2 * len(_W[0]), 1024),), generator=torch.Generator().manual_seed(20))
+    h = int((((t + 1) % _P) * _W[0][:n] % _P).sum()) % _P
+    return h * 64 + n % 64 if n else 0
 
 
 def model_problem(model: torch.nn.Module) -> str | None:
@@ -80,6 +90,8 @@ def prefill_windows(positions: list[Tensor], lo: int, hi: int, chunk: int | None
 
 
 def right_padded(mask: Tensor, B: int, T: int) -> Tensor:
+    if not isinstance(mask, Tensor):
+        raise ValueError(f"attention_mask must be a [B, T] tensor, got {type(mask).__name__}")
     m = mask.detach().cpu().to(torch.int64)
     if m.shape != (B, T):
         raise ValueError(f"attention_mask must be [B, T]={(B, T)}, got {tuple(m.shape)}")
@@ -99,6 +111,8 @@ def tree_of(parents: Sequence[int] | None, T: int) -> tuple[list[int], Tensor, T
     else:
         if isinstance(parents, Tensor):
             parents = parents.tolist()
+        if not isinstance(parents, Sequence) or isinstance(parents, str):
+            raise ValueError(f"parents must be a sequence of {T} ints or None, got {type(parents).__name__}")
         parents = list(parents)
         if len(parents) != T or not all(isinstance(x, int) and not isinstance(x, bool) for x in parents):
             raise ValueError(f"parents must be {T} ints (one per token), got {parents!r}")
@@ -169,14 +183,15 @@ def tree_step(self, tokens: Tensor, tree: tuple[list[int], Tensor, Tensor]) -> t
     return lm_logits(self.model, hidden), hidden
 
 
-def check_ids(ids, what: str, V: int) -> None:
-    """ValueError unless ``ids`` is a ``[B, T]`` integer tensor of ids in ``[0, V)``, B, T >= 1."""
+def check_ids(ids, what: str, V: int, values: bool = True) -> None:
+    """ValueError unless ``ids`` is a ``[B, T]`` integer tensor with B, T >= 1 (and, with
+    ``values``, ids in ``[0, V)``: a host sync on a GPU)."""
     if not isinstance(ids, Tensor) or ids.ndim != 2 or ids.shape[1] < 1 or ids.shape[0] < 1:
         got = tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__
         raise ValueError(f"{what} must be a [B, T] integer tensor with B, T >= 1, got {got}")
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise ValueError(f"{what} must be integer token ids, got {ids.dtype}")
-    if int(ids.min()) < 0 or int(ids.max()) >= V:
+    if values and (int(ids.min()) < 0 or int(ids.max()) >= V):
         raise ValueError(f"{what} must lie in [0, {V}) (the model's vocabulary)")
 
 
@@ -184,6 +199,8 @@ def check_path(path, parents: list[int]) -> list[int]:
     """``path`` as a list, or ValueError unless it runs from the root of the tree ``parents`` down."""
     if isinstance(path, Tensor):
         path = path.tolist()
+    if not isinstance(path, Sequence) or isinstance(path, str):
+        raise ValueError(f"path must be a list of indices into the last step, got {type(path).__name__}")
     path = list(path)
     if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < len(parents) for x in path):
         raise ValueError(f"path must be indices in [0, {len(parents)}) of the last step, got {path!r}")

@@ -82,9 +82,9 @@ class Session:
                 raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
             if strategy not in STRATEGIES:
                 raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-            if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
+            if prefill_chunk is not None and (type(prefill_chunk) is not int or prefill_chunk < 1):
                 raise ValueError(f"prefill_chunk must be an int >= 1 or None, got {prefill_chunk!r}")
-            if not isinstance(block, int) or block < 1:
+            if type(block) is not int or block < 1:
                 raise ValueError(f"block must be an int >= 1, got {block!r}")
             why = S.model_problem(model)
             if why is not None:
@@ -96,8 +96,8 @@ class Session:
                     f"got {max_length!r}"
                 )
             limit = max_length or max_pos
-        except ValueError as e:
-            err = str(e)
+        except (ValueError, TypeError) as e:
+            err = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
         ok = err is None
         cfg = model.config if ok else None
         fields = {
@@ -128,14 +128,12 @@ class Session:
         self.counters = dict(forwards=0, extend_tokens=0, extend_seconds=0.0, steps=0, step_tokens=0,
                              step_seconds=0.0, kept_tokens=0)  # fmt: skip
 
-    # -- the committed history ---------------------------------------------------------
     def __len__(self) -> int:
         return int(self._lens.max())
 
     @property
     def batch(self) -> int:
-        """Sequences in the session (fixed by the first :meth:`extend` or :meth:`step` of an
-        empty session)."""
+        """Sequences in the session (set by the first call on an empty session)."""
         return self._ids.shape[0]
 
     @property
@@ -154,6 +152,8 @@ class Session:
         """Length of the longest prefix of ``ids`` (``[L]`` or ``[B, L]``) that is committed in
         every sequence: how much of a new prompt :meth:`rewind` + :meth:`extend` can reuse."""
         ids = torch.as_tensor(ids).detach().cpu().to(torch.int64)
+        if not len(self):
+            return 0
         ids = ids.expand(self.batch, -1) if ids.ndim == 1 else ids
         if ids.ndim != 2 or ids.shape[0] != self.batch:
             raise ValueError(f"ids must be [L] or [B, L] with B={self.batch}, got {tuple(ids.shape)}")
@@ -164,7 +164,8 @@ class Session:
     def stats(self) -> dict:
         """``cache_bytes`` (this rank's K/V buffers: ``allocated``, ``used``), ``peak_bytes``
         (this process's peak memory), the ``counters`` (forwards, tokens and seconds per
-        kind of call, tokens kept) and ``last_call`` (``op``, ``tokens``, ``seconds``)."""
+        kind of call, tokens kept) and ``last_call`` (``op``, ``tokens``, ``seconds``; keep and
+        rewind run no forward and report 0 s)."""
         cb = self.cache.memory_bytes() if self.cache is not None else {"allocated": 0, "used": 0}
         return dict(cache_bytes=cb, peak_bytes=peak_memory_bytes(self.device), counters=dict(self.counters),
                     last_call=dict(self.last_call))  # fmt: skip
@@ -200,17 +201,19 @@ class Session:
         """
         err, lens = None, None
         try:
-            B, T = self._check_ids(ids, "ids")
+            B, T = self._check_ids(ids, "ids", check)
             lens = torch.full((B,), T, dtype=torch.int64) if attention_mask is None else S.right_padded(
                 attention_mask, B, T)  # fmt: skip
             if bool((lens < 1).any()):
                 raise ValueError(f"every sequence must append at least one token, got lengths {lens.tolist()}")
             ragged = B > 1 and self.cache is not None and not self.cache.uniform()
             if attention_mask is not None and ragged and bool((lens != T).any()):
-                raise ValueError("a right-padded attention_mask needs every sequence of the batch at the same length")
+                raise ValueError(
+                    "a right-padded attention_mask needs every sequence of the batch at the same length and layout"
+                )
             self._check_room(lens, B)
-        except ValueError as e:
-            err = str(e)
+        except (ValueError, TypeError) as e:
+            err = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
         if check:
             self._agree("extend", err, ids, extra=S.checksum(lens) if lens is not None else -1)
         elif err is not None:
@@ -271,11 +274,11 @@ class Session:
         """
         err, tree = None, None
         try:
-            B, T = self._check_ids(tokens, "tokens")
+            B, T = self._check_ids(tokens, "tokens", check)
             tree = S.tree_of(parents, T)
             self._check_room(torch.full((B,), int(tree[1].max()) + 1), B)
-        except ValueError as e:
-            err = str(e)
+        except (ValueError, TypeError) as e:
+            err = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
         if check:
             self._agree("step", err, tokens, extra=S.checksum(torch.tensor(tree[0])) if tree else -1)
         elif err is not None:
@@ -309,13 +312,14 @@ class Session:
             if self._pending is None:
                 raise ValueError("keep() needs a step() first (and each step can be kept once)")
             path = S.check_path(path, self._pending[1])
-        except ValueError as e:
-            err = str(e)
+        except (ValueError, TypeError) as e:
+            err = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
         if check:
             self._agree("keep", err, None, extra=S.checksum(torch.tensor(path)) if err is None else -1)
         elif err is not None:
             raise ValueError(err)
         self._keep(path)
+        self.last_call = dict(op="keep", tokens=len(path) * self.batch, seconds=0.0)
 
     def rewind(self, n: int, *, check: bool = True) -> None:
         """Forget every committed token from position ``n`` on (``0 <= n <= len(self)``; a
@@ -329,11 +333,13 @@ class Session:
         elif err is not None:
             raise ValueError(err)
         self._pending = None
-        self._truncate(self._lens.clamp(max=n))
+        if self.cache is not None:
+            self._truncate(self._lens.clamp(max=n))
+        self.last_call = dict(op="rewind", tokens=0, seconds=0.0)
 
     # -- internals -------------------------------------------------------------------
-    def _check_ids(self, ids, what: str) -> tuple[int, int]:
-        S.check_ids(ids, what, self.model.config.vocab_size)
+    def _check_ids(self, ids, what: str, values: bool) -> tuple[int, int]:
+        S.check_ids(ids, what, self.model.config.vocab_size, values)
         B = ids.shape[0]
         if len(self) and B != self.batch:
             raise ValueError(f"{what} has batch {B}, but the session holds {self.batch} sequences (rewind(0) first)")
@@ -407,7 +413,7 @@ class Session:
         self._tc.ctx = ctx
         self.counters["forwards"] += 1
         return self.decoder(
-            input_ids=ids,
+            input_ids=ids.to(self.device),
             position_ids=pos.to(self.device),
             **S._cache_kw(self.decoder, self._tc),
             use_cache=True,
