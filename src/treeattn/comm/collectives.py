@@ -141,3 +141,18 @@ def sendrecv(send: list[Tensor], dst: int, recv: list[Tensor], src: int, group: 
     except RuntimeError as e:
         raise _failure("send-recv", group, e, "ring") from e
     return [_Request(r, group) for r in reqs]
+
+
+def broadcast(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """``t`` of the group's rank 0 on every rank (in place; every rank passes a tensor of the
+    same shape and dtype)."""
+    rank, p = world(group)
+    if p > 1:
+        n = t.numel() * t.element_size()
+        meter.record("broadcast", n if rank == 0 else 0, 0 if rank == 0 else n)
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        try:
+            dist.broadcast(t, src=src, group=group)
+        except RuntimeError as e:
+            raise _failure("broadcast", group, e) from e
+    return t

@@ -20,6 +20,7 @@ from ..comm.collectives import world
 from ..comm.validate import agree, float_bits
 from ._steps import checksum, model_problem
 from .session import ATTENTIONS, Session
+from .speculative import SPECULATE, DraftModel, PromptLookup, Speculator
 
 
 def _processors(temperature, top_k, top_p, typical_p, eta_cutoff, device) -> LogitsProcessorList:
@@ -103,6 +104,10 @@ def generate(
     streamer=None,
     info: dict | None = None,
     progress: bool = False,
+    speculate: str | None = None,
+    draft_model: torch.nn.Module | None = None,
+    num_draft_tokens: int = 5,
+    tree_width: int = 1,
 ) -> Tensor:
     """Generate up to ``max_new_tokens`` tokens per sequence; call on every rank with the same
     arguments. Stops where ``model.generate`` stops: at the EOS ids of the model's generation
@@ -145,6 +150,15 @@ def generate(
             ``peak_bytes`` (this process's peak memory, see :func:`peak_memory_bytes`) and
             ``last_logits`` (``[B, V]`` float32 logits of the last step).
         progress: a progress bar on rank 0.
+        speculate: None, ``"prompt-lookup"`` (drafts copied from earlier n-grams of the prompt
+            and the output) or ``"draft"`` (``draft_model`` drafts): each target forward
+            verifies up to ``num_draft_tokens`` drafted tokens per branch, ``tree_width``
+            branches (1: a chain; more: a token tree in one :meth:`Session.step`). Greedy
+            output is exactly that of non-speculative greedy decoding; sampling stays
+            lossless (see :mod:`treeattn.hf.speculative`). One sequence only (B = 1).
+            ``info`` gets ``mean_accepted_length`` (tokens committed per target forward),
+            ``acceptance_rates`` (per draft position) and ``target_forwards``.
+        draft_model: a causal LM with the target's vocabulary, run on rank 0 of ``group``.
 
     Returns:
         ``[B, n]`` int64 new tokens, ``n <= max_new_tokens``, identical on every rank.
@@ -182,6 +196,7 @@ def generate(
             )
         eos = _eos_ids(model, eos_token_id, stop_at_eos)
         pad = _pad_id(model, pad_token_id, eos)
+        _check_speculate(model, input_ids, speculate, draft_model, num_draft_tokens, tree_width)
     except ValueError as e:
         err = str(e)
     ok = err is None
@@ -199,6 +214,9 @@ def generate(
         "eos ids checksum": checksum(torch.tensor(eos, dtype=torch.int64)) if ok else -1,
         "pad_token_id": pad,
         "prefill_chunk": prefill_chunk or 0,
+        "speculate": SPECULATE.index(speculate) if speculate in SPECULATE else -1 if speculate is None else -2,
+        "num_draft_tokens": num_draft_tokens if speculate else 0,
+        "tree_width": tree_width if speculate else 0,
     }
     agree(fields, err, group=group, show={"temperature": "float", "attention": dict(enumerate(ATTENTIONS))})
 
@@ -224,7 +242,30 @@ def generate(
             tok = torch.multinomial(torch.softmax(scores, -1), 1, generator=gen).squeeze(1)
         return torch.where(live, tok, pad) if len(eos) else tok
 
+    spec = None
+    if speculate:
+        probs = (lambda lg: torch.softmax(procs(seqs, lg.float()[None]), -1)[0]) if do_sample else None
+        drafter = PromptLookup() if speculate == "prompt-lookup" else DraftModel(
+            draft_model, (lambda lg: procs(seqs, lg)) if do_sample else None, gen)  # fmt: skip
+        spec = Speculator(drafter, num_draft_tokens, tree_width, sample=do_sample, probs=probs, generator=gen,
+                          group=group)  # fmt: skip
     n_out = 0
+
+    def emit(tok: Tensor) -> bool:
+        """Output one token per sequence; True when generation is over."""
+        nonlocal n_out, live
+        out[:, n_out] = tok
+        n_out += 1
+        if streamer is not None:
+            streamer.put(tok.cpu())
+        if bar:
+            bar.update(1)
+        if len(eos):
+            live &= ~torch.isin(tok, eos_t)
+            if not bool(live.any()):  # tokens are identical on every rank: so is this exit
+                return True
+        return n_out == max_new_tokens
+
     try:
         if streamer is not None:
             streamer.put(input_ids.cpu())
@@ -235,22 +276,19 @@ def generate(
         tok = pick(logits)
         t1 = time.perf_counter()
         steps = []
-        for t in range(max_new_tokens):
-            if t:
-                ts = time.perf_counter()
+        done = emit(tok)
+        while not done:
+            ts = time.perf_counter()
+            if spec is None:
                 seqs = torch.cat([seqs, tok[:, None]], 1) if do_sample else seqs
                 logits = session.extend(tok[:, None], check=False)
-                tok = pick(logits)
-                steps.append(time.perf_counter() - ts)
-            out[:, t] = tok
-            n_out = t + 1
-            if streamer is not None:
-                streamer.put(tok.cpu())
-            if bar:
-                bar.update(1)
-            if len(eos):
-                live &= ~torch.isin(tok, eos_t)
-                if not bool(live.any()):  # tokens are identical on every rank: so is this exit
+                new = [pick(logits)]
+            else:
+                new = [torch.tensor([t], device=device) for t in spec.step(session, int(tok), max_new_tokens - n_out)]
+            dt = (time.perf_counter() - ts) / len(new)
+            for tok in new:
+                steps.append(dt)
+                if done := emit(tok):
                     break
         if info is not None:
             st = session.stats()
@@ -262,9 +300,37 @@ def generate(
                 peak_bytes=st["peak_bytes"],
                 last_logits=logits,
             )
+            if spec is not None:
+                info.update(mean_accepted_length=spec.stats.mean_accepted_length,
+                            acceptance_rates=spec.stats.rates(), target_forwards=len(spec.stats.committed))  # fmt: skip
     finally:
         if bar:
             bar.close()
         if streamer is not None:
             streamer.end()
     return out[:, :n_out]
+
+
+def _check_speculate(model, input_ids, speculate, draft_model, k, width) -> None:
+    if speculate is None:
+        if draft_model is not None:
+            raise ValueError('draft_model is given but speculate is not "draft"')
+        return
+    if speculate not in SPECULATE:
+        raise ValueError(f"speculate must be one of {SPECULATE} or None, got {speculate!r}")
+    for name, v in (("num_draft_tokens", k), ("tree_width", width)):
+        if type(v) is not int or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"speculative decoding runs one sequence (B = 1), got a batch of {input_ids.shape[0]}")
+    if speculate == "draft":
+        if draft_model is None:
+            raise ValueError('speculate="draft" needs a draft_model')
+        why = model_problem(draft_model)  # a model transformers can run (any attention)
+        if why is not None and "attention interface" not in why:
+            raise ValueError(f"draft_model: {why}")
+        v_t, v_d = model.config.vocab_size, getattr(getattr(draft_model, "config", None), "vocab_size", None)
+        if v_d != v_t:
+            raise ValueError(f"the draft model's vocabulary ({v_d} tokens) differs from the target's ({v_t})")
+    elif draft_model is not None:
+        raise ValueError('draft_model is given but speculate is not "draft"')

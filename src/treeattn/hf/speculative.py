@@ -1,0 +1,253 @@
+"""Speculative decoding over a :class:`treeattn.hf.Session`: a drafter proposes a chain or a
+token tree after the pending token, the target runs the whole block in one
+:meth:`Session.step` (Tree decoding's token-tree mask, positions by depth) and
+:meth:`Session.keep` commits the accepted path.
+
+Drafters: prompt lookup (n-grams of the prompt and the generated text) and a draft model
+(a smaller model with the same vocabulary). Verification: greedy (exactly the tokens of
+non-speculative greedy decoding) or lossless sampling: Leviathan et al.'s rejection rule for
+a chain sampled from the draft model, and for deterministic drafts (prompt lookup, the draft
+model's top-W tree) a sample of the target at each node, walking down while it matches a
+child. Drafting and the verdict run on the group's rank 0 and reach the other ranks as int64
+tensors (one broadcast each), so every rank commits the same tokens whatever its numerics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..comm.collectives import broadcast, world
+from ._steps import _cache_kw
+
+SPECULATE = ("prompt-lookup", "draft")
+
+
+@dataclass
+class Draft:
+    """Tokens after the pending token: ``parents[i]`` indexes ``tokens`` (-1: the pending
+    token). ``q``: for a chain sampled from a draft model, the distribution each token was
+    drawn from ``[n, V]`` (None: deterministic drafts)."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    q: Tensor | None = None
+
+
+class PromptLookup:
+    """Continuations of the latest n-gram (``max_ngram`` down to 1 tokens) found earlier in the
+    sequence, as transformers' ``prompt_lookup_num_tokens``; with ``width > 1`` the
+    continuations of up to ``width`` distinct earlier matches, merged into a trie."""
+
+    def __init__(self, max_ngram: int = 3) -> None:
+        self.max_ngram = max_ngram
+
+    def propose(self, history: Tensor, k: int, width: int) -> Draft:
+        L = len(history)
+        conts: list[list[int]] = []
+        for n in range(min(self.max_ngram, L - 1), 0, -1):
+            win = history[: L - 1].unfold(0, n, 1)  # every n-gram that ends before the last token
+            hits = torch.nonzero((win == history[L - n :]).all(1)).flatten().tolist()
+            for i in hits:  # the earliest match first, as transformers
+                c = history[i + n : i + n + k].tolist()
+                if c and c not in conts:
+                    conts.append(c)
+                if len(conts) == width:
+                    break
+            if conts:
+                break
+        return _trie(conts)
+
+
+def _trie(conts: list[list[int]]) -> Draft:
+    d, index = Draft(), {}
+    for c in conts:
+        parent = -1
+        for t in c:
+            key = (parent, t)
+            if key not in index:
+                index[key] = len(d.tokens)
+                d.tokens.append(t)
+                d.parents.append(parent)
+            parent = index[key]
+    return d
+
+
+class DraftModel:
+    """A smaller causal LM with the target's vocabulary, run in this process with its own
+    DynamicCache (cropped back to the committed history after each proposal). ``width == 1``:
+    a chain of ``k`` tokens, greedy or sampled through ``warp`` (then with its probabilities
+    for the rejection rule); ``width > 1``: the ``width`` likeliest first tokens, each
+    continued greedily to depth ``k`` (a tree of ``width`` chains, deterministic)."""
+
+    def __init__(self, model: torch.nn.Module, warp=None, generator: torch.Generator | None = None) -> None:
+        from transformers import DynamicCache
+
+        self.model, self.warp, self.gen = model, warp, generator
+        self.cache, self.ids = DynamicCache(), []
+        self.device = next(model.parameters()).device
+
+    @torch.no_grad()
+    def _run(self, ids: list[int]) -> Tensor:
+        x = torch.tensor([ids], device=self.device)
+        out = self.model(input_ids=x, **_cache_kw(self.model, self.cache), use_cache=True)
+        return out.logits[0, -1].float()
+
+    def _sync(self, history: list[int]) -> Tensor:
+        n = 0
+        for a, b in zip(self.ids, history, strict=False):
+            if a != b:
+                break
+            n += 1
+        n = min(n, len(history) - 1)  # the last token runs again: its logits are needed
+        self._crop(n)
+        self.ids = history[:]
+        return self._run(history[n:])
+
+    def propose(self, history: Tensor, k: int, width: int) -> Draft:
+        hist = history.tolist()
+        root = self._sync(hist)
+        d = Draft()
+        if width == 1:
+            logits, qs = root, []
+            for i in range(k):
+                if self.warp is None:
+                    t = int(logits.argmax())
+                else:
+                    q = torch.softmax(self.warp(logits[None]), -1)[0]
+                    t = int(torch.multinomial(q, 1, generator=self.gen))
+                    qs.append(q)
+                d.tokens.append(t)
+                d.parents.append(i - 1)
+                if i + 1 < k:
+                    logits = self._run([t])
+            d.q = torch.stack(qs) if qs else None
+        else:
+            for t in root.topk(min(width, root.numel())).indices.tolist():
+                self._crop(len(hist))
+                parent = -1
+                for i in range(k):
+                    d.tokens.append(t)
+                    d.parents.append(parent)
+                    parent = len(d.tokens) - 1
+                    if i + 1 < k:
+                        t = int(self._run([t]).argmax())
+        self._crop(len(hist))
+        return d
+
+    def _crop(self, n: int) -> None:
+        cur = self.cache.get_seq_length()
+        if cur > n:
+            self.cache.crop(n - cur)  # negative: remove that many tokens (every transformers version)
+
+
+@dataclass
+class SpecStats:
+    """Per target forward after the first token: tokens committed (1 + accepted drafts) and
+    draft depth offered; ``accepted_at[j]`` / ``offered_at[j]``: steps whose draft reached
+    depth j + 1 and whose accepted path did."""
+
+    committed: list[int] = field(default_factory=list)
+    offered_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+
+    def add(self, depth: int, accepted: int) -> None:
+        self.committed.append(1 + accepted)
+        for lst, n in ((self.offered_at, depth), (self.accepted_at, accepted)):
+            lst.extend([0] * (n - len(lst)))
+            for j in range(n):
+                lst[j] += 1
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return sum(self.committed) / len(self.committed) if self.committed else 0.0
+
+    def rates(self) -> list[float]:
+        """Acceptance rate per draft position (depth 1, 2, ...)."""
+        acc = self.accepted_at + [0] * (len(self.offered_at) - len(self.accepted_at))
+        return [a / o for a, o in zip(acc, self.offered_at, strict=True)]
+
+
+class Speculator:
+    """One speculative step at a time over a session of one sequence (B = 1): see the module
+    docstring. ``pick(logits [V]) -> int`` and ``probs(logits [V]) -> [V]`` are the target's
+    greedy or sampling rule (sampling: ``probs`` is the warped distribution and ``gen`` draws)."""
+
+    def __init__(self, drafter, k: int, width: int, *, sample: bool, probs, generator, group=None) -> None:
+        self.drafter, self.k, self.width = drafter, k, width
+        self.sample, self.probs, self.gen, self.group = sample, probs, generator, group
+        self.rank, _ = world(group)
+        self.stats = SpecStats()
+
+    def _draw(self, p: Tensor) -> int:
+        return int(torch.multinomial(p, 1, generator=self.gen))
+
+    def _next(self, logits: Tensor) -> int:
+        return self._draw(self.probs(logits)) if self.sample else int(logits.argmax())
+
+    def step(self, session, tok: int, budget: int) -> list[int]:
+        """Commit the pending token ``tok`` and the accepted drafts; returns the new tokens
+        (accepted drafts, then the target's next token). ``budget``: the most tokens to return."""
+        room = session.max_length - len(session) - 1
+        depth = max(0, min(self.k, budget - 1, room))
+        n_max = depth * self.width
+        buf = torch.full((1 + 2 * n_max,), -1, dtype=torch.int64)
+        draft = Draft()
+        if self.rank == 0 and depth:
+            history = torch.cat([session.tokens[0], torch.tensor([tok])])
+            draft = self.drafter.propose(history, depth, self.width)
+            n = len(draft.tokens)
+            buf[0] = n
+            buf[1 : 1 + n] = torch.tensor(draft.tokens, dtype=torch.int64)
+            buf[1 + n_max : 1 + n_max + n] = torch.tensor(draft.parents, dtype=torch.int64)
+        if self.rank == 0 and not depth:
+            buf[0] = 0
+        buf = broadcast(buf, self.group)
+        n = int(buf[0])
+        tokens = [tok] + buf[1 : 1 + n].tolist()
+        parents = [-1] + [x + 1 for x in buf[1 + n_max : 1 + n_max + n].tolist()]
+        logits = session.step(torch.tensor([tokens], device=session.device), parents, check=False)[0]
+        verdict = torch.full((3 + n,), -1, dtype=torch.int64)  # path length, next token, path (root included)
+        if self.rank == 0:
+            path, nxt = self._verify(logits, tokens, parents, draft.q)
+            verdict[0], verdict[1] = len(path), nxt
+            verdict[2 : 2 + len(path)] = torch.tensor(path, dtype=torch.int64)
+        verdict = broadcast(verdict, self.group)
+        path = verdict[2 : 2 + int(verdict[0])].tolist()
+        session.keep(path, check=False)
+        d = max((_depth(parents, i) for i in range(len(tokens))), default=0)
+        self.stats.add(d, len(path) - 1)
+        return [tokens[i] for i in path[1:]] + [int(verdict[1])]
+
+    def _verify(self, logits: Tensor, tokens: list[int], parents: list[int], q: Tensor | None):
+        logits = logits.float()
+        if self.sample and q is not None:  # a chain sampled from the draft model: the rejection rule
+            for i in range(1, len(tokens)):
+                p = self.probs(logits[i - 1])
+                t = tokens[i]
+                if float(torch.rand((), generator=self.gen)) * float(q[i - 1, t]) >= float(p[t]):
+                    resid = (p - q[i - 1].to(p)).clamp(min=0)
+                    nxt = self._draw(resid / resid.sum() if float(resid.sum()) > 0 else p)
+                    return list(range(i)), nxt
+            return list(range(len(tokens))), self._next(logits[-1])
+        children: dict[int, dict[int, int]] = {}
+        for i, a in enumerate(parents):
+            if a >= 0:
+                children.setdefault(a, {}).setdefault(tokens[i], i)
+        node, path = 0, [0]
+        while True:  # greedy, or a sample of the target at each node: lossless for fixed drafts
+            t = self._next(logits[node])
+            nxt = children.get(node, {}).get(t)
+            if nxt is None:
+                return path, t
+            path.append(nxt)
+            node = nxt
+
+
+def _depth(parents: list[int], i: int) -> int:
+    d = 0
+    while parents[i] >= 0:
+        i, d = parents[i], d + 1
+    return d
