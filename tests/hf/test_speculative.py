@@ -96,3 +96,65 @@ def spec_worker(seed0):
 @pytest.mark.parametrize("p", [1, 2, 3])
 def test_speculative_greedy_is_exact(p):
     launch(spec_worker, p, (10 * p,), timeout=900)
+
+
+def _biased_verify(self, logits, tokens, parents, q):
+    """The classic mistake: after a rejection, sample the target again instead of the
+    residual max(0, p - q) (and accept with probability p / q as usual)."""
+    for i in range(1, len(tokens)):
+        p = self.probs(logits[i - 1].float())
+        if float(torch.rand((), generator=self.gen)) * float(q[i - 1, tokens[i]]) >= float(p[tokens[i]]):
+            return list(range(i)), self._draw(p)
+    return list(range(len(tokens))), self._next(logits[-1].float())
+
+
+SAMPLES = 1200
+NOISE = 0.5
+TV_LIMIT = 0.09  # total variation over the 16 (t1, t2) cells; 1200 unbiased samples land near 0.03
+
+
+def test_sampling_is_lossless(monkeypatch):
+    """The first two sampled tokens (top-k 4: 16 cells) follow the model's own distribution
+    with every drafter; a verifier with a planted bias fails the same threshold."""
+    from treeattn.hf import generate
+    from treeattn.hf.speculative import Speculator
+
+    m = tiny64("llama")
+    d = copy.deepcopy(m)  # a draft model that mostly agrees with the target: the residual matters
+    with torch.no_grad():
+        w = d.get_output_embeddings().weight
+        w += NOISE * w.std() * torch.randn(w.shape, generator=torch.Generator().manual_seed(0), dtype=w.dtype)
+    base = torch.randint(0, 512, (1, 6), generator=torch.Generator().manual_seed(3))
+    ids = torch.cat([base, base], 1)  # repeated: prompt lookup drafts too
+    K = 4
+
+    def warped(logits):
+        v, i = logits.topk(K)
+        return i.tolist(), torch.softmax(v, -1).tolist()
+
+    exact = {}
+    with torch.no_grad():
+        for a, pa in zip(*warped(m(ids).logits[0, -1]), strict=True):
+            for b, pb in zip(*warped(m(torch.cat([ids, torch.tensor([[a]])], 1)).logits[0, -1]), strict=True):
+                exact[(a, b)] = pa * pb
+
+    def tv(**kw) -> float:
+        counts = {}
+        for seed in range(SAMPLES):
+            out = generate(m, ids, max_new_tokens=4, do_sample=True, top_k=K, seed=seed, stop_at_eos=False, **kw)
+            key = tuple(out[0, :2].tolist())
+            counts[key] = counts.get(key, 0) + 1
+        cells = set(counts) | set(exact)
+        return 0.5 * sum(abs(counts.get(c, 0) / SAMPLES - exact.get(c, 0.0)) for c in cells)
+
+    chain = dict(speculate="draft", draft_model=d, num_draft_tokens=2)
+    got = {
+        "draft chain (rejection rule)": tv(**chain),
+        "draft tree (sample and match)": tv(speculate="draft", draft_model=d, num_draft_tokens=2, tree_width=2),
+        "prompt lookup (sample and match)": tv(speculate="prompt-lookup", num_draft_tokens=2),
+    }
+    monkeypatch.setattr(Speculator, "_verify", _biased_verify)
+    biased = tv(**chain)
+    print(f"\ntotal variation from the model's distribution: {got}; biased verifier {biased:.3f}")
+    assert all(v <= TV_LIMIT for v in got.values()), got
+    assert biased > TV_LIMIT, f"the planted bias goes unnoticed: {biased:.3f}"
