@@ -146,3 +146,25 @@ def test_bad_numbers_exit_2_with_one_line(capsys, cmd, args, text):
 def test_kv_heads_must_divide_heads(capsys, cmd):
     assert main([cmd, "--heads", "8", "--kv-heads", "3", "--seq", "64"]) == 2
     assert "--kv-heads 3 must divide --heads 8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args,text",
+    [
+        (["--speculate", "draft"], "--speculate draft needs --draft-model"),
+        (["--draft-model", "tiny-llama"], "--draft-model is used by --speculate draft only"),
+        (["--speculate", "draft", "--draft-model", "small-llama"], "its vocabulary (4,096 tokens) differs"),
+        (["--speculate", "prompt-lookup", "--batch", "2"], "--speculate decodes one sequence (batch 1)"),
+        (["--speculate", "draft", "--draft-model", "/nonexistent/draft.gguf"], "--draft-model /nonexistent"),
+    ],
+)
+def test_speculate_bad_options(capsys, args, text):
+    err = _run(capsys, "--preset", "tiny-llama", "--prompt-len", "8", *args)
+    assert text in err, err
+
+
+@pytest.mark.parametrize("flag", ["--num-draft-tokens", "--tree-width"])
+def test_speculate_numbers_are_checked_by_argparse(capsys, flag):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", flag, "0"])
+    assert e.value.code == 2 and f"argument {flag}: must be >= 1, got 0" in capsys.readouterr().err

@@ -19,7 +19,7 @@ FAMILIES = ("mistral", "qwen2-swa", "gemma2", "gemma3")  # tiny-* presets, slidi
 
 
 def tiny(kind: str):
-    from treeattn.hf.cli import build_model
+    from treeattn.hf.presets import build_model
 
     return build_model(f"tiny-{kind}", None, torch.float32, seed=0)[0]
 

@@ -14,7 +14,7 @@ NEW = 24
 
 
 def tiny(kind: str):
-    from treeattn.hf.cli import build_model
+    from treeattn.hf.presets import build_model
 
     return build_model(f"tiny-{kind}", None, torch.float32, seed=0)[0]
 

@@ -40,7 +40,7 @@ def spread(model) -> tuple[float, float]:
 
 
 def tiny64(kind: str):
-    from treeattn.hf.cli import build_model
+    from treeattn.hf.presets import build_model
 
     return build_model(f"tiny-{kind}", None, torch.float64, seed=0)[0]
 

@@ -158,3 +158,53 @@ def test_sampling_is_lossless(monkeypatch):
     print(f"\ntotal variation from the model's distribution: {got}; biased verifier {biased:.3f}")
     assert all(v <= TV_LIMIT for v in got.values()), got
     assert biased > TV_LIMIT, f"the planted bias goes unnoticed: {biased:.3f}"
+
+
+def bad_worker():
+    from test_session import same_on_all_ranks
+
+    from treeattn.hf import generate
+    from treeattn.hf.presets import build_model
+
+    m = tiny64("llama")
+    other_vocab = build_model("small-llama", None, torch.float64)[0]
+    ids = torch.randint(0, 512, (1, 10), generator=torch.Generator().manual_seed(0))
+    cases = [
+        (dict(speculate="bogus"), r"speculate must be one of \('prompt-lookup', 'draft'\) or None"),
+        (dict(speculate="prompt-lookup", num_draft_tokens=0), "num_draft_tokens must be an int >= 1, got 0"),
+        (dict(speculate="prompt-lookup", tree_width=0), "tree_width must be an int >= 1, got 0"),
+        (dict(speculate="draft"), r'rank 0: speculate="draft" needs a draft_model \(on rank 0 of the group\)'),
+        (dict(speculate="draft", draft_model=other_vocab), r"vocabulary \(4096 tokens\) differs from the target's"),
+        (dict(draft_model=m), 'draft_model is given but speculate is not "draft"'),
+    ]
+    for kw, match in cases:
+        with pytest.raises(ValueError, match=match) as e:
+            generate(m, ids, max_new_tokens=4, **kw)
+        assert same_on_all_ranks(str(e.value)), str(e.value)
+    with pytest.raises(ValueError, match=r"speculative decoding runs one sequence \(B = 1\), got a batch of 2") as e:
+        generate(m, ids.expand(2, -1), max_new_tokens=4, speculate="prompt-lookup")
+    assert same_on_all_ranks(str(e.value))
+    # the group is still in lockstep: a speculative run after the refusals is exact
+    out = generate(m, ids, max_new_tokens=6, stop_at_eos=False, speculate="prompt-lookup")
+    assert torch.equal(out, greedy_ref(m, ids, 6))
+
+
+def test_speculative_bad_arguments_fail_alike():
+    launch(bad_worker, 2, timeout=300)
+
+
+def test_cli_speculate_reports_acceptance():
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "treeattn", "generate", "--nproc", "2", "--preset", "tiny-qwen2", "--prompt-len", "30",
+         "--max-new-tokens", "12", "--speculate", "draft", "--draft-model", "tiny-qwen2", "--num-draft-tokens", "3",
+         "--tree-width", "2", "--compare-single"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "identical to single-process model.generate" in r.stderr, r.stderr
+    # the draft model is the target (same preset, same seed): every draft is accepted
+    assert "speculative (draft, 3 draft tokens, tree width 2): mean accepted length 3." in r.stderr, r.stderr
+    assert "acceptance per draft position 1.00 1.00 1.00" in r.stderr, r.stderr

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 def worker(cfg: dict, prompt_lens: list[int], out_path: str) -> None:
     from ..hf import generate
-    from ..hf.cli import build_model
+    from ..hf.presets import build_model
 
     r, p = dist.get_rank(), dist.get_world_size()
     model, _ = build_model(cfg["preset"], None, getattr(torch, cfg["dtype"]), seed=0)

@@ -13,44 +13,7 @@ import torch.distributed as dist
 
 from .._argtypes import at_least
 from ..comm.strategies import STRATEGIES
-
-PRESETS: dict[str, tuple[str, dict]] = {
-    # tiny configs with random weights (GQA everywhere); "small" is for latency measurements
-    "tiny-llama": ("llama", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)),
-    "tiny-qwen2": ("qwen2", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)),
-    # sliding windows shorter than a test prompt: the window really masks keys
-    "tiny-mistral": ("mistral", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, vocab_size=512, sliding_window=16)),
-    "tiny-qwen2-swa": ("qwen2", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, vocab_size=512, use_sliding_window=True, sliding_window=16, max_window_layers=1)),
-    # Gemma-2: alternating sliding/full layers, attention-logit and final-logit softcapping
-    # (scores large enough for the softcap to bite; Gemma's sqrt(hidden) embedding scale needs
-    # small weights, else random models emit one token forever)
-    "tiny-gemma2": ("gemma2", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512, sliding_window=16, query_pre_attn_scalar=1, attn_logit_softcapping=4.0, final_logit_softcapping=30.0, initializer_range=0.03)),
-    # Gemma-3 (text): sliding and full layers alternating, local/global RoPE, q/k norms
-    "tiny-gemma3": ("gemma3_text", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512, sliding_window=16, query_pre_attn_scalar=32, sliding_window_pattern=2, initializer_range=0.02)),
-    "small-llama": ("llama", dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, vocab_size=4096)),
-}  # fmt: skip
-
-
-def build_model(preset: str | None, model_dir: str | None, dtype: torch.dtype, seed: int = 0) -> tuple:
-    """``(model, tokenizer or None)``: a preset with random weights (seeded: the same on every
-    rank) or a local directory (safetensors only, nothing downloaded, no remote code)."""
-    from transformers import AutoModelForCausalLM
-
-    if model_dir:
-        from .models import load_model
-
-        return load_model(model_dir, dtype)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(preset_config(preset), dtype=dtype).eval(), None
-
-
-def preset_config(preset: str):
-    from transformers import AutoConfig
-
-    if preset not in PRESETS:
-        raise ValueError(f"preset must be one of {tuple(PRESETS)}, got {preset!r}")
-    kind, kw = PRESETS[preset]
-    return AutoConfig.for_model(kind, **{"max_position_embeddings": 1 << 20, "initializer_range": 0.2, **kw})
+from .presets import PRESETS, build_model, preset_config
 
 
 class UsageError(ValueError):
@@ -66,6 +29,7 @@ class Job:
     max_new_tokens: int
     has_tokenizer: bool
     notes: list[str] = field(default_factory=list)
+    draft_dir: str | None = None
 
 
 def _read_prompt_file(path: str) -> str:
@@ -111,6 +75,10 @@ def prepare(a: argparse.Namespace, local_ranks: int) -> Job:
         raise UsageError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
     if a.compare_single and a.sample:
         raise UsageError("--compare-single checks greedy decoding against model.generate; drop --sample or it")
+    if a.speculate == "draft" and not a.draft_model:
+        raise UsageError("--speculate draft needs --draft-model")
+    if a.draft_model and a.speculate != "draft":
+        raise UsageError("--draft-model is used by --speculate draft only")
     model_dir, tok = None, None
     if a.model:
         from .models import ModelNotFound, resolve_model
@@ -162,7 +130,43 @@ def prepare(a: argparse.Namespace, local_ranks: int) -> Job:
             new = max_pos - L
             notes.append(f"max_new_tokens lowered to {new} (the model supports {max_pos:,} positions)")
     _check_fit(a, cfg, L, new, ids.shape[0], local_ranks)
-    return Job(model_dir, ids, new, tok is not None, notes)
+    if a.speculate and ids.shape[0] > 1:
+        raise UsageError(f"--speculate decodes one sequence (batch 1), got a batch of {ids.shape[0]}")
+    draft_dir = _draft_dir(a, text_cfg, model_dir) if a.speculate == "draft" else None
+    return Job(model_dir, ids, new, tok is not None, notes, draft_dir)
+
+
+def _draft_dir(a, text_cfg, model_dir: str | None) -> str | None:
+    """The draft model's directory (None: a preset), checked against the target's vocabulary
+    and tokenizer before any rank starts."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from .models import ModelNotFound, resolve_model
+
+    if a.draft_model in PRESETS:
+        d, dcfg = None, preset_config(a.draft_model)
+    else:
+        try:
+            d = str(resolve_model(a.draft_model, log=say))
+        except ModelNotFound as e:
+            raise UsageError(str(e).replace("--model", "--draft-model", 1)) from e
+        dcfg = AutoConfig.from_pretrained(d, local_files_only=True, trust_remote_code=False)
+    dcfg = dcfg.get_text_config() if hasattr(dcfg, "get_text_config") else dcfg
+    if dcfg.vocab_size != text_cfg.vocab_size:
+        raise UsageError(
+            f"--draft-model {a.draft_model}: its vocabulary ({dcfg.vocab_size:,} tokens) differs from the model's "
+            f"({text_cfg.vocab_size:,}); a draft model needs the same tokenizer"
+        )
+    if d and model_dir:
+        kw = dict(local_files_only=True, trust_remote_code=False)
+        try:
+            same = AutoTokenizer.from_pretrained(d, **kw).get_vocab() == AutoTokenizer.from_pretrained(
+                model_dir, **kw).get_vocab()  # fmt: skip
+        except Exception:
+            same = True  # a model without a tokenizer: the vocabulary size was checked
+        if not same:
+            raise UsageError(f"--draft-model {a.draft_model}: its tokenizer differs from the model's")
+    return d
 
 
 def _check_fit(a, cfg, L: int, new: int, batch: int, local_ranks: int) -> None:
@@ -218,6 +222,11 @@ def worker(a: argparse.Namespace, job: Job | None = None) -> None:
         from ..ops._decode_cpu import kernel_available
 
         kernel_available()
+    draft = None
+    if a.speculate == "draft" and rank == 0:  # it drafts on rank 0 only
+        draft = build_model(a.draft_model if job.draft_dir is None else None, job.draft_dir, dtype, a.seed)[0]
+        if a.device == "cuda":
+            draft = draft.to(ids.device)
     timings: dict = {}
     out = generate(
         model,
@@ -237,6 +246,10 @@ def worker(a: argparse.Namespace, job: Job | None = None) -> None:
         streamer=streamer,
         info=timings,
         progress=a.progress,
+        speculate=a.speculate,
+        draft_model=draft,
+        num_draft_tokens=a.num_draft_tokens,
+        tree_width=a.tree_width,
     )
     dec = timings["decode"]
     t = torch.tensor([timings["ttft"], timings["prefill"], sum(dec), statistics.median(dec) if dec else 0.0])
@@ -274,6 +287,11 @@ def worker(a: argparse.Namespace, job: Job | None = None) -> None:
     say("per rank: KV cache " + ", ".join(f"{int(m[0]) / mib:.1f}" for m in mems) + " MiB used (allocated "
         + ", ".join(f"{int(m[1]) / mib:.1f}" for m in mems) + " MiB); peak memory "
         + ", ".join(f"{int(m[2]) / mib:.0f}" for m in mems) + " MiB")  # fmt: skip
+    if a.speculate:
+        rates = " ".join(f"{r:.2f}" for r in timings["acceptance_rates"]) or "-"
+        say(f"speculative ({a.speculate}, {a.num_draft_tokens} draft tokens, tree width {a.tree_width}): mean accepted "
+            f"length {timings['mean_accepted_length']:.2f} (tokens per target forward, {timings['target_forwards']} "
+            f"forwards); acceptance per draft position {rates}")  # fmt: skip
     if a.compare_single:
         if same[0]:
             say("compare-single: identical to single-process model.generate")
@@ -343,6 +361,21 @@ def add_parser(sub) -> None:
     g.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming it")
     g.add_argument("--compare-single", action="store_true", help="check tokens against single-process model.generate")
     g.add_argument("--progress", action="store_true", help="progress bar on rank 0")
+    g.add_argument(
+        "--speculate",
+        choices=["prompt-lookup", "draft"],
+        default=None,
+        help="speculative decoding: drafts from earlier n-grams (prompt-lookup) or a --draft-model, "
+        "verified in one forward per step (greedy output unchanged, sampling lossless)",
+    )
+    g.add_argument(
+        "--draft-model",
+        help="the draft model for --speculate draft (same kinds of path as --model, or "
+        "a preset); it needs the model's tokenizer",
+    )
+    g.add_argument("--num-draft-tokens", type=at_least(1), default=5, help="drafted tokens per branch (default 5)")
+    g.add_argument("--tree-width", type=at_least(1), default=1,
+                   help="draft branches verified together as a token tree (default 1: a chain)")  # fmt: skip
     g.set_defaults(func=run)
 
 

@@ -158,7 +158,8 @@ def generate(
             lossless (see :mod:`treeattn.hf.speculative`). One sequence only (B = 1).
             ``info`` gets ``mean_accepted_length`` (tokens committed per target forward),
             ``acceptance_rates`` (per draft position) and ``target_forwards``.
-        draft_model: a causal LM with the target's vocabulary, run on rank 0 of ``group``.
+        draft_model: a causal LM with the target's vocabulary; it drafts on rank 0 of
+            ``group`` only (the other ranks may pass None).
 
     Returns:
         ``[B, n]`` int64 new tokens, ``n <= max_new_tokens``, identical on every rank.
@@ -196,7 +197,7 @@ def generate(
             )
         eos = _eos_ids(model, eos_token_id, stop_at_eos)
         pad = _pad_id(model, pad_token_id, eos)
-        _check_speculate(model, input_ids, speculate, draft_model, num_draft_tokens, tree_width)
+        _check_speculate(model, input_ids, speculate, draft_model, num_draft_tokens, tree_width, rank)
     except ValueError as e:
         err = str(e)
     ok = err is None
@@ -245,8 +246,10 @@ def generate(
     spec = None
     if speculate:
         probs = (lambda lg: torch.softmax(procs(seqs, lg.float()[None]), -1)[0]) if do_sample else None
-        drafter = PromptLookup() if speculate == "prompt-lookup" else DraftModel(
-            draft_model, (lambda lg: procs(seqs, lg)) if do_sample else None, gen)  # fmt: skip
+        drafter = None
+        if rank == 0:  # drafts are made on rank 0 and broadcast
+            drafter = PromptLookup() if speculate == "prompt-lookup" else DraftModel(
+                draft_model, (lambda lg: procs(seqs, lg)) if do_sample else None, gen)  # fmt: skip
         spec = Speculator(drafter, num_draft_tokens, tree_width, sample=do_sample, probs=probs, generator=gen,
                           group=group)  # fmt: skip
     n_out = 0
@@ -311,7 +314,7 @@ def generate(
     return out[:, :n_out]
 
 
-def _check_speculate(model, input_ids, speculate, draft_model, k, width) -> None:
+def _check_speculate(model, input_ids, speculate, draft_model, k, width, rank) -> None:
     if speculate is None:
         if draft_model is not None:
             raise ValueError('draft_model is given but speculate is not "draft"')
@@ -325,10 +328,9 @@ def _check_speculate(model, input_ids, speculate, draft_model, k, width) -> None
         raise ValueError(f"speculative decoding runs one sequence (B = 1), got a batch of {input_ids.shape[0]}")
     if speculate == "draft":
         if draft_model is None:
-            raise ValueError('speculate="draft" needs a draft_model')
-        why = model_problem(draft_model)  # a model transformers can run (any attention)
-        if why is not None and "attention interface" not in why:
-            raise ValueError(f"draft_model: {why}")
+            if rank:
+                return
+            raise ValueError('speculate="draft" needs a draft_model (on rank 0 of the group)')
         v_t, v_d = model.config.vocab_size, getattr(getattr(draft_model, "config", None), "vocab_size", None)
         if v_d != v_t:
             raise ValueError(f"the draft model's vocabulary ({v_d} tokens) differs from the target's ({v_t})")
