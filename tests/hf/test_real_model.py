@@ -200,3 +200,31 @@ def session_worker(model_dir, prompts, prefix, refs):
 def test_smollm2_session_document_once_two_questions(smol_doc, p):
     d = smol_doc
     launch(session_worker, p, (d["dir"], d["prompts"], d["prefix"], d["refs"]), timeout=1200)
+
+
+def speculative_worker(model_dir, prompts, refs):
+    import copy
+
+    from treeattn.hf import generate
+    from treeattn.hf.models import load_model
+
+    model, _ = load_model(model_dir)
+    draft = copy.deepcopy(model)  # the target itself as the draft model: it accepts (nearly) every draft
+    runs = [
+        (0, "interleaved", "tree", dict(speculate="prompt-lookup")),
+        (1, "contiguous", "ring", dict(speculate="prompt-lookup", tree_width=3)),
+        (0, "contiguous", "tree", dict(speculate="draft", draft_model=draft, num_draft_tokens=4, tree_width=2)),
+    ]
+    for q, placement, attention, kw in runs:
+        info = {}
+        out = generate(model, prompts[q], max_new_tokens=NEW, placement=placement, attention=attention, info=info,
+                       prefill_chunk=512, **kw)  # fmt: skip
+        case = f"question {q} {placement} {attention} {kw}"
+        assert torch.equal(out, refs[q]), f"{case}: {out.tolist()} != {refs[q].tolist()}"
+        if "draft_model" in kw:
+            assert info["mean_accepted_length"] >= 3.5, f"{case}: {info['mean_accepted_length']:.2f}"
+
+
+def test_smollm2_speculative_greedy_is_exact(smol_doc):
+    d = smol_doc
+    launch(speculative_worker, 2, (d["dir"], d["prompts"], d["refs"]), timeout=1200)

