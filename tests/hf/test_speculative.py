@@ -208,3 +208,46 @@ def test_cli_speculate_reports_acceptance():
     # the draft model is the target (same preset, same seed): every draft is accepted
     assert "speculative (draft, 3 draft tokens, tree width 2): mean accepted length 3." in r.stderr, r.stderr
     assert "acceptance per draft position 1.00 1.00 1.00" in r.stderr, r.stderr
+
+
+def contrastive_reference(m, ids, new: int, alpha: float, k: int) -> list[int]:
+    """The published rule written out plainly, one process, everything recomputed each step:
+    candidates = the k likeliest next tokens; score = (1 - alpha) * p(v) - alpha * max over
+    every earlier token j of cos(h_v, h_j), h = the decoder's last hidden state."""
+    seq = ids[0].tolist()
+    dec = m.get_decoder()
+    with torch.no_grad():
+        for _ in range(new):
+            H = dec(torch.tensor([seq])).last_hidden_state[0]
+            p = torch.softmax(m.get_output_embeddings()(H[-1]), -1)
+            top_p, top_i = p.topk(k)
+            scores = []
+            for pv, v in zip(top_p.tolist(), top_i.tolist(), strict=True):
+                hv = dec(torch.tensor([seq + [v]])).last_hidden_state[0, -1]
+                sim = torch.nn.functional.cosine_similarity(hv[None], H, dim=-1).max().item()
+                scores.append((1 - alpha) * pv - alpha * sim)
+            seq.append(top_i.tolist()[max(range(k), key=lambda i: (scores[i], -i))])
+    return seq[ids.shape[1] :]
+
+
+def contrastive_worker():
+    from treeattn.hf import generate
+
+    p = dist.get_world_size()
+    for i, (kind, placement, attention) in enumerate(
+        [("llama", "interleaved", "tree"), ("qwen2", "contiguous", "ring"), ("mistral", "contiguous", "tree")]
+    ):
+        m = tiny64(kind)
+        ids = torch.randint(0, 512, (1, 14 + i), generator=torch.Generator().manual_seed(i))
+        alpha, k = (0.6, 4) if i != 1 else (0.3, 3)
+        ref = contrastive_reference(m, ids, 12, alpha, k)
+        out = generate(m, ids, max_new_tokens=12, stop_at_eos=False, placement=placement, attention=attention,
+                       penalty_alpha=alpha, top_k=k, prefill_chunk=4)  # fmt: skip
+        case = f"p={p} {kind} {placement} {attention} alpha={alpha} k={k}"
+        assert out[0].tolist() == ref, f"{case}: {out[0].tolist()} != {ref}"
+        assert ref != greedy_ref(m, ids, 12)[0].tolist(), f"{case}: the penalty changes nothing"
+
+
+@pytest.mark.parametrize("p", [1, 3])
+def test_contrastive_search_matches_reference(p):
+    launch(contrastive_worker, p, timeout=600)

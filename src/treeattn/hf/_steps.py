@@ -151,6 +151,8 @@ def prefill(self, ids: Tensor, lens: Tensor) -> Tensor:
                           q_positions=q_pos, n_real=n, start=base + a[rank])  # fmt: skip
         pos = q_pos[rank] if n else torch.full((1,), L0, dtype=torch.int64)  # a placeholder keeps the model happy
         hidden = self._forward(ctx, ids[:, (pos - L0).to(ids.device)], pos[None, :].expand(B, -1))
+        if self.hidden is not None and n:
+            self.hidden.store_block(base + a[rank], hidden[:, :n])
         if last is None:
             acc = torch.promote_types(hidden.dtype, torch.float32)
             last = torch.zeros(B, hidden.shape[-1], dtype=acc, device=self.device)
@@ -168,7 +170,10 @@ def decode_one(self, tok: Tensor) -> Tensor:
     c.begin_decode_step()
     ctx = StepContext(c, "decode", self.attention, self.strategy, self.group, kv_lens=c.kv_lens.clone().to(
         self.device), q_pos=pos)  # fmt: skip
-    return lm_logits(self.model, self._forward(ctx, tok[:, None], pos[:, None])[:, -1])
+    hidden = self._forward(ctx, tok[:, None], pos[:, None])[:, -1]
+    if self.hidden is not None:
+        self.hidden.store(c._step_rows, c._step_slots, hidden[c._step_rows])
+    return lm_logits(self.model, hidden)
 
 
 def tree_step(self, tokens: Tensor, tree: tuple[list[int], Tensor, Tensor]) -> tuple[Tensor, Tensor]:
@@ -179,7 +184,7 @@ def tree_step(self, tokens: Tensor, tree: tuple[list[int], Tensor, Tensor]) -> t
     ctx = StepContext(c, "step", self.attention, self.strategy, self.group, kv_lens=c.kv_lens.to(self.device),
                       q_pos=q_pos, tree=sees, depth=depth)  # fmt: skip
     hidden = self._forward(ctx, tokens, q_pos)
-    self._pending = (tokens.detach().cpu().to(torch.int64), parents, ctx.stash)
+    self._pending = (tokens.detach().cpu().to(torch.int64), parents, ctx.stash, hidden)
     return lm_logits(self.model, hidden), hidden
 
 

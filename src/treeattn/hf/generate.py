@@ -19,6 +19,7 @@ from transformers.generation.logits_process import (
 from ..comm.collectives import world
 from ..comm.validate import agree, float_bits
 from ._steps import checksum, model_problem
+from .contrastive import HiddenStore, contrastive_step
 from .session import ATTENTIONS, Session
 from .speculative import SPECULATE, DraftModel, PromptLookup, Speculator
 
@@ -108,6 +109,7 @@ def generate(
     draft_model: torch.nn.Module | None = None,
     num_draft_tokens: int = 5,
     tree_width: int = 1,
+    penalty_alpha: float | None = None,
 ) -> Tensor:
     """Generate up to ``max_new_tokens`` tokens per sequence; call on every rank with the same
     arguments. Stops where ``model.generate`` stops: at the EOS ids of the model's generation
@@ -160,6 +162,10 @@ def generate(
             ``acceptance_rates`` (per draft position) and ``target_forwards``.
         draft_model: a causal LM with the target's vocabulary; it drafts on rank 0 of
             ``group`` only (the other ranks may pass None).
+        penalty_alpha: with ``top_k >= 2`` (and greedy, one sequence): contrastive search, the
+            ``top_k`` candidates scored in one step as a depth-1 token tree, ``(1 - alpha) * p -
+            alpha * (max cosine similarity of the candidate's last hidden state with every
+            earlier token's)`` (see :mod:`treeattn.hf.contrastive`). None or 0: off.
 
     Returns:
         ``[B, n]`` int64 new tokens, ``n <= max_new_tokens``, identical on every rank.
@@ -171,7 +177,7 @@ def generate(
             attention interface).
     """
     rank, p = world(group)
-    err, lens, eos, pad = None, None, [], 0
+    err, lens, eos, pad, contrast = None, None, [], 0, False
     try:  # local checks; the verdict is shared below so a bad argument on one rank fails all
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
@@ -198,6 +204,7 @@ def generate(
         eos = _eos_ids(model, eos_token_id, stop_at_eos)
         pad = _pad_id(model, pad_token_id, eos)
         _check_speculate(model, input_ids, speculate, draft_model, num_draft_tokens, tree_width, rank)
+        contrast = _check_contrastive(penalty_alpha, top_k, do_sample, speculate, input_ids.shape[0])
     except ValueError as e:
         err = str(e)
     ok = err is None
@@ -218,6 +225,7 @@ def generate(
         "speculate": SPECULATE.index(speculate) if speculate in SPECULATE else -1 if speculate is None else -2,
         "num_draft_tokens": num_draft_tokens if speculate else 0,
         "tree_width": tree_width if speculate else 0,
+        "penalty_alpha": float_bits(penalty_alpha or 0.0) if ok else -1,
     }
     agree(fields, err, group=group, show={"temperature": "float", "attention": dict(enumerate(ATTENTIONS))})
 
@@ -243,6 +251,8 @@ def generate(
             tok = torch.multinomial(torch.softmax(scores, -1), 1, generator=gen).squeeze(1)
         return torch.where(live, tok, pad) if len(eos) else tok
 
+    if contrast:
+        session.hidden = HiddenStore(session)
     spec = None
     if speculate:
         probs = (lambda lg: torch.softmax(procs(seqs, lg.float()[None]), -1)[0]) if do_sample else None
@@ -276,13 +286,20 @@ def generate(
         # the arguments were agreed above; the ids of every later call come from identical computation
         logits = session.extend(input_ids, attention_mask, check=False)
         t_pre = session.last_call["seconds"]
-        tok = pick(logits)
+        if contrast:  # the chosen token is committed as it is chosen
+            tok, logits = contrastive_step(session, logits, penalty_alpha, top_k)
+            tok = torch.tensor([tok], device=device)
+        else:
+            tok = pick(logits)
         t1 = time.perf_counter()
         steps = []
         done = emit(tok)
         while not done:
             ts = time.perf_counter()
-            if spec is None:
+            if contrast:
+                t, logits = contrastive_step(session, logits, penalty_alpha, top_k)
+                new = [torch.tensor([t], device=device)]
+            elif spec is None:
                 seqs = torch.cat([seqs, tok[:, None]], 1) if do_sample else seqs
                 logits = session.extend(tok[:, None], check=False)
                 new = [pick(logits)]
@@ -336,3 +353,17 @@ def _check_speculate(model, input_ids, speculate, draft_model, k, width, rank) -
             raise ValueError(f"the draft model's vocabulary ({v_d} tokens) differs from the target's ({v_t})")
     elif draft_model is not None:
         raise ValueError('draft_model is given but speculate is not "draft"')
+
+
+def _check_contrastive(alpha, top_k, do_sample, speculate, B) -> bool:
+    if alpha is None or alpha == 0:
+        return False
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
+        raise ValueError(f"penalty_alpha must be a number in (0, 1] or None, got {alpha!r}")
+    if not top_k or top_k < 2:
+        raise ValueError(f"contrastive search (penalty_alpha) needs top_k >= 2 candidates, got top_k={top_k!r}")
+    if do_sample or speculate:
+        raise ValueError("contrastive search (penalty_alpha) is a greedy method: drop do_sample and speculate")
+    if B != 1:
+        raise ValueError(f"contrastive search runs one sequence (B = 1), got a batch of {B}")
+    return True

@@ -123,7 +123,8 @@ class Session:
         self._tc: TreeAttnCache | None = None
         self._ids = torch.zeros(1, 0, dtype=torch.int64)  # committed ids, host, -1 beyond a row's length
         self._lens = torch.zeros(1, dtype=torch.int64)
-        self._pending: tuple[Tensor, list[int], dict] | None = None  # the last step: tokens, parents, K/V
+        self._pending: tuple | None = None  # the last step: tokens, parents, K/V per layer, hidden states
+        self.hidden = None  # a contrastive.HiddenStore when the hidden states of the tokens are kept
         self.last_call: dict = {}
         self.counters = dict(forwards=0, extend_tokens=0, extend_seconds=0.0, steps=0, step_tokens=0,
                              step_seconds=0.0, kept_tokens=0)  # fmt: skip
@@ -392,12 +393,10 @@ class Session:
         self._lens = lens.clone()
 
     def _account(self, op: str, n: int, t0: float) -> None:
-        dt = time.perf_counter() - t0
-        self.last_call = dict(op=op, tokens=n, seconds=dt)
+        self.last_call = dict(op=op, tokens=n, seconds=time.perf_counter() - t0)
         self.counters[f"{op}_tokens"] += n
-        self.counters[f"{op}_seconds"] += dt
-        if op == "step":
-            self.counters["steps"] += 1
+        self.counters[f"{op}_seconds"] += self.last_call["seconds"]
+        self.counters["steps"] += op == "step"
 
     @contextlib.contextmanager
     def _treeattn(self):
@@ -430,7 +429,7 @@ class Session:
         self._lens = before + lens
 
     def _keep(self, path: list[int]) -> None:
-        tokens, _, stash = self._pending
+        tokens, _, stash, hid = self._pending
         self._pending = None
         n, before = len(path), self._lens.clone()
         if n:
@@ -442,6 +441,8 @@ class Session:
                 bd, sd = b.to(self.device), slots.to(self.device)
                 for layer, (k, v) in stash.items():
                     c.store_slots(layer, bd, sd, k[bd, :, cols], v[bd, :, cols])
+                if self.hidden is not None:
+                    self.hidden.store(bd, sd, hid[bd, cols])
             except BaseException:
                 self._truncate(before)
                 raise
