@@ -156,6 +156,10 @@ def test_kv_heads_must_divide_heads(capsys, cmd):
         (["--speculate", "draft", "--draft-model", "small-llama"], "its vocabulary (4,096 tokens) differs"),
         (["--speculate", "prompt-lookup", "--batch", "2"], "--speculate decodes one sequence (batch 1)"),
         (["--speculate", "draft", "--draft-model", "/nonexistent/draft.gguf"], "--draft-model /nonexistent"),
+        (["--penalty-alpha", "0.6"], "--penalty-alpha (contrastive search) needs --top-k >= 2"),
+        (["--penalty-alpha", "1.5", "--top-k", "4"], "--penalty-alpha must lie in (0, 1], got 1.5"),
+        (["--penalty-alpha", "0.6", "--top-k", "4", "--sample"], "contrastive search) is its own method"),
+        (["--penalty-alpha", "0.6", "--top-k", "4", "--batch", "2"], "--penalty-alpha decodes one sequence"),
     ],
 )
 def test_speculate_bad_options(capsys, args, text):

@@ -208,6 +208,17 @@ def test_cli_speculate_reports_acceptance():
     # the draft model is the target (same preset, same seed): every draft is accepted
     assert "speculative (draft, 3 draft tokens, tree width 2): mean accepted length 3." in r.stderr, r.stderr
     assert "acceptance per draft position 1.00 1.00 1.00" in r.stderr, r.stderr
+    c = subprocess.run(
+        [sys.executable, "-m", "treeattn", "generate", "--nproc", "2", "--preset", "tiny-llama", "--prompt-ids",
+         "5,9,2,7,1,4,4,8", "--max-new-tokens", "6", "--penalty-alpha", "0.6", "--top-k", "4"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert c.returncode == 0, c.stderr
+    from treeattn.hf.presets import build_model
+
+    m = build_model("tiny-llama", None, torch.float32)[0]
+    want = contrastive_reference(m, torch.tensor([[5, 9, 2, 7, 1, 4, 4, 8]]), 6, 0.6, 4)
+    assert c.stdout.strip() == f"tokens[0]: {want}", (c.stdout, want)
 
 
 def contrastive_reference(m, ids, new: int, alpha: float, k: int) -> list[int]:

@@ -75,6 +75,15 @@ def prepare(a: argparse.Namespace, local_ranks: int) -> Job:
         raise UsageError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
     if a.compare_single and a.sample:
         raise UsageError("--compare-single checks greedy decoding against model.generate; drop --sample or it")
+    if a.penalty_alpha is not None:
+        if not 0 < a.penalty_alpha <= 1:
+            raise UsageError(f"--penalty-alpha must lie in (0, 1], got {a.penalty_alpha}")
+        if not a.top_k or a.top_k < 2:
+            raise UsageError("--penalty-alpha (contrastive search) needs --top-k >= 2 candidates")
+        if a.sample or a.speculate or a.compare_single:
+            raise UsageError(
+                "--penalty-alpha (contrastive search) is its own method: drop --sample, --speculate, --compare-single"
+            )
     if a.speculate == "draft" and not a.draft_model:
         raise UsageError("--speculate draft needs --draft-model")
     if a.draft_model and a.speculate != "draft":
@@ -130,8 +139,9 @@ def prepare(a: argparse.Namespace, local_ranks: int) -> Job:
             new = max_pos - L
             notes.append(f"max_new_tokens lowered to {new} (the model supports {max_pos:,} positions)")
     _check_fit(a, cfg, L, new, ids.shape[0], local_ranks)
-    if a.speculate and ids.shape[0] > 1:
-        raise UsageError(f"--speculate decodes one sequence (batch 1), got a batch of {ids.shape[0]}")
+    if (a.speculate or a.penalty_alpha) and ids.shape[0] > 1:
+        what = "--speculate" if a.speculate else "--penalty-alpha"
+        raise UsageError(f"{what} decodes one sequence (batch 1), got a batch of {ids.shape[0]}")
     draft_dir = _draft_dir(a, text_cfg, model_dir) if a.speculate == "draft" else None
     return Job(model_dir, ids, new, tok is not None, notes, draft_dir)
 
@@ -250,6 +260,7 @@ def worker(a: argparse.Namespace, job: Job | None = None) -> None:
         draft_model=draft,
         num_draft_tokens=a.num_draft_tokens,
         tree_width=a.tree_width,
+        penalty_alpha=a.penalty_alpha,
     )
     dec = timings["decode"]
     t = torch.tensor([timings["ttft"], timings["prefill"], sum(dec), statistics.median(dec) if dec else 0.0])
@@ -352,7 +363,12 @@ def add_parser(sub) -> None:
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     g.add_argument("--sample", action="store_true", help="sample instead of greedy")
     g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-k", type=at_least(0), default=None, help="sample from the k likeliest tokens (0: off)")
+    g.add_argument(
+        "--top-k",
+        type=at_least(0),
+        default=None,
+        help="sample from the k likeliest tokens (0: off); with --penalty-alpha: the contrastive candidates",
+    )
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=at_least(1), default=1, help="compute threads per rank (default 1)")
@@ -374,6 +390,12 @@ def add_parser(sub) -> None:
         "a preset); it needs the model's tokenizer",
     )
     g.add_argument("--num-draft-tokens", type=at_least(1), default=5, help="drafted tokens per branch (default 5)")
+    g.add_argument(
+        "--penalty-alpha",
+        type=float,
+        default=None,
+        help="contrastive search with --top-k candidates: degeneration penalty weight in (0, 1]",
+    )
     g.add_argument("--tree-width", type=at_least(1), default=1,
                    help="draft branches verified together as a token tree (default 1: a chain)")  # fmt: skip
     g.set_defaults(func=run)
