@@ -98,14 +98,39 @@ def test_speculative_greedy_is_exact(p):
     launch(spec_worker, p, (10 * p,), timeout=900)
 
 
-def _biased_verify(self, logits, tokens, parents, q):
-    """The classic mistake: after a rejection, sample the target again instead of the
-    residual max(0, p - q) (and accept with probability p / q as usual)."""
+def _biased_verify(self, logits, tokens, parents, draft):
+    """The classic mistake, on a chain: after a rejection, sample the target again instead of
+    the residual max(0, p - q) (and accept with probability p / q as usual)."""
+    q = draft.q
     for i in range(1, len(tokens)):
         p = self.probs(logits[i - 1].float())
         if float(torch.rand((), generator=self.gen)) * float(q[i - 1, tokens[i]]) >= float(p[tokens[i]]):
             return list(range(i)), self._draw(p)
     return list(range(len(tokens))), self._next(logits[-1].float())
+
+
+_REAL_VERIFY = []
+
+
+def _biased_tree_verify(self, logits, tokens, parents, draft):
+    """Multi-step speculative sampling that forgets to move to the residual after a rejected
+    first-level trial: every trial is tested against the target's own distribution."""
+    if draft.q is None:  # nothing drafted (the last token): the real rule
+        return _REAL_VERIFY[0](self, logits, tokens, parents, draft)
+    kids = {}
+    for i, a in enumerate(parents):
+        kids.setdefault(a, []).append(i)
+    node, path = 0, [0]
+    while True:
+        p = self.probs(logits[node].float())
+        trials = [i + 1 for i in draft.first] if node == 0 else kids.get(node, [])[:1]
+        for c in trials:
+            if float(torch.rand((), generator=self.gen)) * float(draft.q[c - 1, tokens[c]]) < float(p[tokens[c]]):
+                break
+        else:
+            return path, self._draw(p)
+        path.append(c)
+        node = c
 
 
 SAMPLES = 1200
@@ -115,7 +140,9 @@ TV_LIMIT = 0.09  # total variation over the 16 (t1, t2) cells; 1200 unbiased sam
 
 def test_sampling_is_lossless(monkeypatch):
     """The first two sampled tokens (top-k 4: 16 cells) follow the model's own distribution
-    with every drafter; a verifier with a planted bias fails the same threshold."""
+    with every drafter (a sampled draft chain: the rejection rule; a sampled draft tree of 3
+    first tokens: multi-step speculative sampling; prompt lookup: sample and match); a
+    verifier with a planted bias fails the same threshold."""
     from treeattn.hf import generate
     from treeattn.hf.speculative import Speculator
 
@@ -150,14 +177,19 @@ def test_sampling_is_lossless(monkeypatch):
     chain = dict(speculate="draft", draft_model=d, num_draft_tokens=2)
     got = {
         "draft chain (rejection rule)": tv(**chain),
-        "draft tree (sample and match)": tv(speculate="draft", draft_model=d, num_draft_tokens=2, tree_width=2),
+        "draft tree (multi-step speculative sampling)": tv(
+            speculate="draft", draft_model=d, num_draft_tokens=2, tree_width=3
+        ),
         "prompt lookup (sample and match)": tv(speculate="prompt-lookup", num_draft_tokens=2),
     }
+    _REAL_VERIFY[:] = [Speculator._verify]
     monkeypatch.setattr(Speculator, "_verify", _biased_verify)
-    biased = tv(**chain)
-    print(f"\ntotal variation from the model's distribution: {got}; biased verifier {biased:.3f}")
+    biased = {"chain, resampling the target": tv(**chain)}
+    monkeypatch.setattr(Speculator, "_verify", _biased_tree_verify)
+    biased["tree, no residual"] = tv(speculate="draft", draft_model=d, num_draft_tokens=2, tree_width=3)
+    print(f"\ntotal variation from the model's distribution: {got}; biased verifiers {biased}")
     assert all(v <= TV_LIMIT for v in got.values()), got
-    assert biased > TV_LIMIT, f"the planted bias goes unnoticed: {biased:.3f}"
+    assert all(v > TV_LIMIT for v in biased.values()), f"a planted bias goes unnoticed: {biased}"
 
 
 def bad_worker():

@@ -28,12 +28,14 @@ SPECULATE = ("prompt-lookup", "draft")
 @dataclass
 class Draft:
     """Tokens after the pending token: ``parents[i]`` indexes ``tokens`` (-1: the pending
-    token). ``q``: for a chain sampled from a draft model, the distribution each token was
-    drawn from ``[n, V]`` (None: deterministic drafts)."""
+    token). For drafts sampled from a draft model: ``q [n, V]``, the distribution each token
+    was drawn from, and ``first``: the first-level samples in the order drawn, duplicates
+    included (node indices); None for deterministic drafts."""
 
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     q: Tensor | None = None
+    first: list[int] | None = None
 
 
 class PromptLookup:
@@ -77,10 +79,11 @@ def _trie(conts: list[list[int]]) -> Draft:
 
 class DraftModel:
     """A smaller causal LM with the target's vocabulary, run in this process with its own
-    DynamicCache (cropped back to the committed history after each proposal). ``width == 1``:
-    a chain of ``k`` tokens, greedy or sampled through ``warp`` (then with its probabilities
-    for the rejection rule); ``width > 1``: the ``width`` likeliest first tokens, each
-    continued greedily to depth ``k`` (a tree of ``width`` chains, deterministic)."""
+    DynamicCache (cropped back to the committed history after each proposal). Greedy
+    (``warp`` None): the ``width`` likeliest first tokens, each continued greedily to depth
+    ``k``. Sampling: ``width`` first tokens drawn from the warped draft distribution (with
+    replacement: duplicates merge into one node but stay separate trials), each continued by
+    a chain drawn from it, with the distributions kept for the verifier."""
 
     def __init__(self, model: torch.nn.Module, warp=None, generator: torch.Generator | None = None) -> None:
         from transformers import DynamicCache
@@ -109,31 +112,35 @@ class DraftModel:
     def propose(self, history: Tensor, k: int, width: int) -> Draft:
         hist = history.tolist()
         root = self._sync(hist)
-        d = Draft()
-        if width == 1:
-            logits, qs = root, []
+        d, qs = Draft(), []
+        if self.warp is None:  # greedy: the width likeliest first tokens, each continued greedily
+            firsts = root.topk(min(width, root.numel())).indices.tolist()
+        else:  # sampling: width first tokens drawn from q (with replacement), chains drawn below them
+            q0 = torch.softmax(self.warp(root[None]), -1)[0]
+            draws = torch.multinomial(q0, width, replacement=True, generator=self.gen).tolist()
+            firsts = list(dict.fromkeys(draws))
+        for t in firsts:
+            self._crop(len(hist))
+            logits, parent = None, -1
             for i in range(k):
-                if self.warp is None:
-                    t = int(logits.argmax())
-                else:
-                    q = torch.softmax(self.warp(logits[None]), -1)[0]
-                    t = int(torch.multinomial(q, 1, generator=self.gen))
-                    qs.append(q)
+                if i:
+                    if self.warp is None:
+                        t = int(logits.argmax())
+                    else:
+                        q = torch.softmax(self.warp(logits[None]), -1)[0]
+                        t = int(torch.multinomial(q, 1, generator=self.gen))
+                        qs.append(q)
+                elif self.warp is not None:
+                    qs.append(q0)
                 d.tokens.append(t)
-                d.parents.append(i - 1)
+                d.parents.append(parent)
+                parent = len(d.tokens) - 1
                 if i + 1 < k:
                     logits = self._run([t])
-            d.q = torch.stack(qs) if qs else None
-        else:
-            for t in root.topk(min(width, root.numel())).indices.tolist():
-                self._crop(len(hist))
-                parent = -1
-                for i in range(k):
-                    d.tokens.append(t)
-                    d.parents.append(parent)
-                    parent = len(d.tokens) - 1
-                    if i + 1 < k:
-                        t = int(self._run([t]).argmax())
+        if self.warp is not None:
+            d.q = torch.stack(qs)
+            node = {t: i for i, t in reversed(list(enumerate(d.tokens))) if d.parents[i] == -1}
+            d.first = [node[t] for t in draws]
         self._crop(len(hist))
         return d
 
@@ -211,7 +218,7 @@ class Speculator:
         logits = session.step(torch.tensor([tokens], device=session.device), parents, check=False)[0]
         verdict = torch.full((3 + n,), -1, dtype=torch.int64)  # path length, next token, path (root included)
         if self.rank == 0:
-            path, nxt = self._verify(logits, tokens, parents, draft.q)
+            path, nxt = self._verify(logits, tokens, parents, draft)
             verdict[0], verdict[1] = len(path), nxt
             verdict[2 : 2 + len(path)] = torch.tensor(path, dtype=torch.int64)
         verdict = broadcast(verdict, self.group)
@@ -221,29 +228,36 @@ class Speculator:
         self.stats.add(d, len(path) - 1)
         return [tokens[i] for i in path[1:]] + [int(verdict[1])]
 
-    def _verify(self, logits: Tensor, tokens: list[int], parents: list[int], q: Tensor | None):
+    def _verify(self, logits: Tensor, tokens: list[int], parents: list[int], draft: Draft):
+        """``(path from the root, next token)``; ``tokens``/``parents``: the block (the pending
+        token first), ``draft``: its drafted part (node i of the draft is block node i + 1)."""
         logits = logits.float()
-        if self.sample and q is not None:  # a chain sampled from the draft model: the rejection rule
-            for i in range(1, len(tokens)):
-                p = self.probs(logits[i - 1])
-                t = tokens[i]
-                if float(torch.rand((), generator=self.gen)) * float(q[i - 1, t]) >= float(p[t]):
-                    resid = (p - q[i - 1].to(p)).clamp(min=0)
-                    nxt = self._draw(resid / resid.sum() if float(resid.sum()) > 0 else p)
-                    return list(range(i)), nxt
-            return list(range(len(tokens))), self._next(logits[-1])
         children: dict[int, dict[int, int]] = {}
         for i, a in enumerate(parents):
             if a >= 0:
                 children.setdefault(a, {}).setdefault(tokens[i], i)
         node, path = 0, [0]
-        while True:  # greedy, or a sample of the target at each node: lossless for fixed drafts
-            t = self._next(logits[node])
-            nxt = children.get(node, {}).get(t)
-            if nxt is None:
-                return path, t
-            path.append(nxt)
-            node = nxt
+        if draft.q is None:  # greedy, or a sample of the target at each node: lossless for fixed drafts
+            while True:
+                t = self._next(logits[node])
+                nxt = children.get(node, {}).get(t)
+                if nxt is None:
+                    return path, t
+                path.append(nxt)
+                node = nxt
+        while True:  # sampled drafts: SpecInfer's multi-step speculative sampling (one trial: Leviathan's rule)
+            p = self.probs(logits[node])
+            trials = [i + 1 for i in draft.first] if node == 0 else list(children.get(node, {}).values())
+            for c in trials:
+                q, t = draft.q[c - 1].to(p), tokens[c]
+                if float(torch.rand((), generator=self.gen)) * float(q[t]) < float(p[t]):
+                    break
+                resid = (p - q).clamp(min=0)
+                p = resid / resid.sum() if float(resid.sum()) > 0 else p
+            else:
+                return path, self._draw(p)
+            path.append(c)
+            node = c
 
 
 def _depth(parents: list[int], i: int) -> int:
