@@ -228,3 +228,25 @@ def speculative_worker(model_dir, prompts, refs):
 def test_smollm2_speculative_greedy_is_exact(smol_doc):
     d = smol_doc
     launch(speculative_worker, 2, (d["dir"], d["prompts"], d["refs"]), timeout=1200)
+
+
+def test_cli_draft_model_with_another_tokenizer(smol, tmp_path):
+    """A draft model whose vocabulary has the right size but other tokens is refused before
+    any rank starts."""
+    import json
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    src, d = Path(smol["dir"]), tmp_path / "draft"
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=49152)  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    tj = json.loads((src / "tokenizer.json").read_text())
+    vocab = tj["model"]["vocab"]
+    a, b = "hello", "world"
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two tokens trade ids
+    (d / "tokenizer.json").write_text(json.dumps(tj))
+    shutil.copy(src / "tokenizer_config.json", d)
+    r = _cli("--model", str(src), "--prompt", "hi", "--speculate", "draft", "--draft-model", str(d), "--nproc", "2")
+    assert r.returncode == 2 and f"--draft-model {d}: its tokenizer differs from the model's" in r.stderr, r.stderr
