@@ -291,9 +291,10 @@ def worker(a: argparse.Namespace, job: Job | None = None) -> None:
     n_new = out.shape[1]
     rate = f"{(n_new - 1) / float(t[2]):.1f} tok/s" if n_new > 1 and float(t[2]) > 0 else "- tok/s"
     mib = 2.0**20
+    per = "tokens" if a.speculate else "steps"
     say(
         f"prompt {ids.shape[1]:,} tokens, {n_new} new tokens; time to first token {t[0] * 1e3:.1f} ms (prefill "
-        f"{t[1] * 1e3:.1f} ms); decode {rate}, {t[3] * 1e3:.2f} ms/token (median over {len(dec)} {'tokens' if a.speculate else 'steps'}, max over ranks)"
+        f"{t[1] * 1e3:.1f} ms); decode {rate}, {t[3] * 1e3:.2f} ms/token (median over {len(dec)} {per}, max over ranks)"
     )
     say("per rank: KV cache " + ", ".join(f"{int(m[0]) / mib:.1f}" for m in mems) + " MiB used (allocated "
         + ", ".join(f"{int(m[1]) / mib:.1f}" for m in mems) + " MiB); peak memory "
