@@ -216,9 +216,26 @@ def bad_worker():
     with pytest.raises(ValueError, match=r"speculative decoding runs one sequence \(B = 1\), got a batch of 2") as e:
         generate(m, ids.expand(2, -1), max_new_tokens=4, speculate="prompt-lookup")
     assert same_on_all_ranks(str(e.value))
-    # the group is still in lockstep: a speculative run after the refusals is exact
-    out = generate(m, ids, max_new_tokens=6, stop_at_eos=False, speculate="prompt-lookup")
+    # a drafter that fails on rank 0 fails every rank (nobody waits in the broadcast)
+    from treeattn.hf import Session
+    from treeattn.hf.speculative import Speculator
+
+    class Broken:
+        def propose(self, history, k, width):
+            raise MemoryError("the draft model ran out of memory")
+
+    s = Session(m)
+    s.extend(ids)
+    sp = Speculator(Broken(), 3, 1, sample=False, probs=None, generator=None)
+    with pytest.raises(RuntimeError, match="the drafter failed on rank 0 of the group: MemoryError: the draft model"):
+        sp.step(s, 5, 10)
+    # the group is still in lockstep: a speculative run after the refusals is exact, and its
+    # last logits are those plain decoding chose the last token from
+    info, plain = {}, {}
+    out = generate(m, ids, max_new_tokens=6, stop_at_eos=False, speculate="draft", draft_model=m, info=info)
     assert torch.equal(out, greedy_ref(m, ids, 6))
+    generate(m, ids, max_new_tokens=6, stop_at_eos=False, info=plain)
+    assert info["target_forwards"] < 5 and (info["last_logits"] - plain["last_logits"]).abs().max() < 1e-9
 
 
 def test_speculative_bad_arguments_fail_alike():

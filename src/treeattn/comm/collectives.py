@@ -145,14 +145,19 @@ def sendrecv(send: list[Tensor], dst: int, recv: list[Tensor], src: int, group: 
 
 def broadcast(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     """``t`` of the group's rank 0 on every rank (in place; every rank passes a tensor of the
-    same shape and dtype)."""
+    same shape and dtype). A host tensor travels through the current CUDA device on NCCL."""
     rank, p = world(group)
     if p > 1:
         n = t.numel() * t.element_size()
         meter.record("broadcast", n if rank == 0 else 0, 0 if rank == 0 else n)
         src = dist.get_global_rank(group, 0) if group is not None else 0
+        via = t
+        if t.device.type == "cpu" and dist.get_backend(group) == "nccl":
+            via = t.to(torch.device("cuda", torch.cuda.current_device()))
         try:
-            dist.broadcast(t, src=src, group=group)
+            dist.broadcast(via, src=src, group=group)
         except RuntimeError as e:
             raise _failure("broadcast", group, e) from e
+        if via is not t:
+            t.copy_(via)
     return t

@@ -203,8 +203,9 @@ def generate(
             )
         eos = _eos_ids(model, eos_token_id, stop_at_eos)
         pad = _pad_id(model, pad_token_id, eos)
-        _check_speculate(model, input_ids, speculate, draft_model, num_draft_tokens, tree_width, rank)
-        contrast = _check_contrastive(penalty_alpha, top_k, do_sample, speculate, input_ids.shape[0])
+        _check_speculate(model, input_ids, speculate, draft_model, num_draft_tokens, tree_width, rank, max_new_tokens)
+        contrast = _check_contrastive(penalty_alpha, top_k, do_sample, speculate, input_ids.shape[0],
+                                      model.config.vocab_size)  # fmt: skip
     except ValueError as e:
         err = str(e)
     ok = err is None
@@ -287,6 +288,7 @@ def generate(
         logits = session.extend(input_ids, attention_mask, check=False)
         t_pre = session.last_call["seconds"]
         if contrast:  # the chosen token is committed as it is chosen
+            last = logits
             tok, logits = contrastive_step(session, logits, penalty_alpha, top_k)
             tok = torch.tensor([tok], device=device)
         else:
@@ -297,6 +299,7 @@ def generate(
         while not done:
             ts = time.perf_counter()
             if contrast:
+                last = logits
                 t, logits = contrastive_step(session, logits, penalty_alpha, top_k)
                 new = [torch.tensor([t], device=device)]
             elif spec is None:
@@ -312,13 +315,18 @@ def generate(
                     break
         if info is not None:
             st = session.stats()
+            final = logits  # the logits the last token was chosen from
+            if contrast:
+                final = last
+            elif spec is not None and spec.stats.committed:
+                final = spec.last_logits
             info.update(
                 ttft=t1 - t0,
                 prefill=t_pre,
                 decode=steps,
                 cache_bytes=st["cache_bytes"],
                 peak_bytes=st["peak_bytes"],
-                last_logits=logits,
+                last_logits=final,
             )
             if spec is not None:
                 info.update(mean_accepted_length=spec.stats.mean_accepted_length,
@@ -331,7 +339,7 @@ def generate(
     return out[:, :n_out]
 
 
-def _check_speculate(model, input_ids, speculate, draft_model, k, width, rank) -> None:
+def _check_speculate(model, input_ids, speculate, draft_model, k, width, rank, new) -> None:
     if speculate is None:
         if draft_model is not None:
             raise ValueError('draft_model is given but speculate is not "draft"')
@@ -351,17 +359,25 @@ def _check_speculate(model, input_ids, speculate, draft_model, k, width, rank) -
         v_t, v_d = model.config.vocab_size, getattr(getattr(draft_model, "config", None), "vocab_size", None)
         if v_d != v_t:
             raise ValueError(f"the draft model's vocabulary ({v_d} tokens) differs from the target's ({v_t})")
+        pos = getattr(draft_model.config, "max_position_embeddings", None)
+        if pos and input_ids.shape[1] + new > pos:
+            raise ValueError(
+                f"the draft model supports {pos} positions, fewer than the prompt ({input_ids.shape[1]}) plus "
+                f"max_new_tokens ({new})"
+            )
     elif draft_model is not None:
         raise ValueError('draft_model is given but speculate is not "draft"')
 
 
-def _check_contrastive(alpha, top_k, do_sample, speculate, B) -> bool:
+def _check_contrastive(alpha, top_k, do_sample, speculate, B, V) -> bool:
     if alpha is None or alpha == 0:
         return False
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
         raise ValueError(f"penalty_alpha must be a number in (0, 1] or None, got {alpha!r}")
-    if not top_k or top_k < 2:
-        raise ValueError(f"contrastive search (penalty_alpha) needs top_k >= 2 candidates, got top_k={top_k!r}")
+    if not top_k or not 2 <= top_k <= V:
+        raise ValueError(
+            f"contrastive search (penalty_alpha) needs 2 <= top_k <= {V} (the vocabulary) candidates, got {top_k!r}"
+        )
     if do_sample or speculate:
         raise ValueError("contrastive search (penalty_alpha) is a greedy method: drop do_sample and speculate")
     if B != 1:

@@ -23,6 +23,7 @@ from ..comm.collectives import broadcast, world
 from ._steps import _cache_kw
 
 SPECULATE = ("prompt-lookup", "draft")
+_MSG = 240  # bytes of a drafting error carried to the other ranks
 
 
 @dataclass
@@ -89,7 +90,7 @@ class DraftModel:
         from transformers import DynamicCache
 
         self.model, self.warp, self.gen = model, warp, generator
-        self.cache, self.ids = DynamicCache(), []
+        self.cache, self.ids, self.chunk = DynamicCache(), [], 1024
         self.device = next(model.parameters()).device
 
     @torch.no_grad()
@@ -107,7 +108,9 @@ class DraftModel:
         n = min(n, len(history) - 1)  # the last token runs again: its logits are needed
         self._crop(n)
         self.ids = history[:]
-        return self._run(history[n:])
+        for a in range(n, len(history), self.chunk):  # a long document in chunks: bounded activations
+            logits = self._run(history[a : a + self.chunk])
+        return logits
 
     def propose(self, history: Tensor, k: int, width: int) -> Draft:
         hist = history.tolist()
@@ -117,7 +120,7 @@ class DraftModel:
             firsts = root.topk(min(width, root.numel())).indices.tolist()
         else:  # sampling: width first tokens drawn from q (with replacement), chains drawn below them
             q0 = torch.softmax(self.warp(root[None]), -1)[0]
-            draws = torch.multinomial(q0, width, replacement=True, generator=self.gen).tolist()
+            draws = torch.multinomial(q0.to(self.gen.device), width, replacement=True, generator=self.gen).tolist()
             firsts = list(dict.fromkeys(draws))
         for t in firsts:
             self._crop(len(hist))
@@ -128,7 +131,7 @@ class DraftModel:
                         t = int(logits.argmax())
                     else:
                         q = torch.softmax(self.warp(logits[None]), -1)[0]
-                        t = int(torch.multinomial(q, 1, generator=self.gen))
+                        t = int(torch.multinomial(q.to(self.gen.device), 1, generator=self.gen))
                         qs.append(q)
                 elif self.warp is not None:
                     qs.append(q0)
@@ -189,7 +192,10 @@ class Speculator:
         self.stats = SpecStats()
 
     def _draw(self, p: Tensor) -> int:
-        return int(torch.multinomial(p, 1, generator=self.gen))
+        return int(torch.multinomial(p.to(self.gen.device), 1, generator=self.gen))
+
+    def _rand(self) -> float:
+        return float(torch.rand((), generator=self.gen, device=self.gen.device))
 
     def _next(self, logits: Tensor) -> int:
         return self._draw(self.probs(logits)) if self.sample else int(logits.argmax())
@@ -200,19 +206,26 @@ class Speculator:
         room = session.max_length - len(session) - 1
         depth = max(0, min(self.k, budget - 1, room))
         n_max = depth * self.width
-        buf = torch.full((1 + 2 * n_max,), -1, dtype=torch.int64)
+        buf = torch.full((1 + 2 * n_max + _MSG,), -1, dtype=torch.int64)  # n, tokens, parents, an error
         draft = Draft()
-        if self.rank == 0 and depth:
-            history = torch.cat([session.tokens[0], torch.tensor([tok])])
-            draft = self.drafter.propose(history, depth, self.width)
-            n = len(draft.tokens)
-            buf[0] = n
-            buf[1 : 1 + n] = torch.tensor(draft.tokens, dtype=torch.int64)
-            buf[1 + n_max : 1 + n_max + n] = torch.tensor(draft.parents, dtype=torch.int64)
-        if self.rank == 0 and not depth:
-            buf[0] = 0
+        if self.rank == 0:
+            try:
+                if depth:
+                    history = torch.cat([session.tokens[0], torch.tensor([tok])])
+                    draft = self.drafter.propose(history, depth, self.width)
+                n = len(draft.tokens)
+                buf[0] = n
+                buf[1 : 1 + n] = torch.tensor(draft.tokens, dtype=torch.int64)
+                buf[1 + n_max : 1 + n_max + n] = torch.tensor(draft.parents, dtype=torch.int64)
+            except Exception as e:  # every rank must hear of it, not wait in the broadcast
+                msg = f"{type(e).__name__}: {e}".encode()[:_MSG]
+                buf[0], buf[-_MSG:] = -1, 0
+                buf[-_MSG : len(buf) - _MSG + len(msg)] = torch.tensor(list(msg), dtype=torch.int64)
         buf = broadcast(buf, self.group)
         n = int(buf[0])
+        if n < 0:
+            msg = bytes(x for x in buf[-_MSG:].tolist() if x > 0).decode(errors="replace")
+            raise RuntimeError(f"the drafter failed on rank 0 of the group: {msg}")
         tokens = [tok] + buf[1 : 1 + n].tolist()
         parents = [-1] + [x + 1 for x in buf[1 + n_max : 1 + n_max + n].tolist()]
         logits = session.step(torch.tensor([tokens], device=session.device), parents, check=False)[0]
@@ -223,6 +236,7 @@ class Speculator:
             verdict[2 : 2 + len(path)] = torch.tensor(path, dtype=torch.int64)
         verdict = broadcast(verdict, self.group)
         path = verdict[2 : 2 + int(verdict[0])].tolist()
+        self.last_logits = logits[path[-1]][None]  # the distribution the next token came from
         session.keep(path, check=False)
         d = max((_depth(parents, i) for i in range(len(tokens))), default=0)
         self.stats.add(d, len(path) - 1)
@@ -250,7 +264,7 @@ class Speculator:
             trials = [i + 1 for i in draft.first] if node == 0 else list(children.get(node, {}).values())
             for c in trials:
                 q, t = draft.q[c - 1].to(p), tokens[c]
-                if float(torch.rand((), generator=self.gen)) * float(q[t]) < float(p[t]):
+                if self._rand() * float(q[t]) < float(p[t]):
                     break
                 resid = (p - q).clamp(min=0)
                 p = resid / resid.sum() if float(resid.sum()) > 0 else p
