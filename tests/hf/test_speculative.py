@@ -114,16 +114,13 @@ _REAL_VERIFY = []
 
 def _biased_tree_verify(self, logits, tokens, parents, draft):
     """Multi-step speculative sampling that forgets to move to the residual after a rejected
-    first-level trial: every trial is tested against the target's own distribution."""
+    trial: every trial is tested against the target's own distribution."""
     if draft.q is None:  # nothing drafted (the last token): the real rule
         return _REAL_VERIFY[0](self, logits, tokens, parents, draft)
-    kids = {}
-    for i, a in enumerate(parents):
-        kids.setdefault(a, []).append(i)
     node, path = 0, [0]
     while True:
         p = self.probs(logits[node].float())
-        trials = [i + 1 for i in draft.first] if node == 0 else kids.get(node, [])[:1]
+        trials = [i + 1 for i in draft.trials.get(node - 1, [])]
         for c in trials:
             if float(torch.rand((), generator=self.gen)) * float(draft.q[c - 1, tokens[c]]) < float(p[tokens[c]]):
                 break

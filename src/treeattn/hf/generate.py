@@ -154,8 +154,9 @@ def generate(
         progress: a progress bar on rank 0.
         speculate: None, ``"prompt-lookup"`` (drafts copied from earlier n-grams of the prompt
             and the output) or ``"draft"`` (``draft_model`` drafts): each target forward
-            verifies up to ``num_draft_tokens`` drafted tokens per branch, ``tree_width``
-            branches (1: a chain; more: a token tree in one :meth:`Session.step`). Greedy
+            verifies up to ``num_draft_tokens`` drafted tokens deep, ``tree_width``
+            branches (1: a chain; more: a token tree in one :meth:`Session.step`; see
+            :class:`treeattn.hf.speculative.PromptLookup` and ``DraftModel`` for the shapes). Greedy
             output is exactly that of non-speculative greedy decoding; sampling stays
             lossless (see :mod:`treeattn.hf.speculative`). One sequence only (B = 1).
             ``info`` gets ``mean_accepted_length`` (tokens committed per target forward),

@@ -30,13 +30,13 @@ _MSG = 240  # bytes of a drafting error carried to the other ranks
 class Draft:
     """Tokens after the pending token: ``parents[i]`` indexes ``tokens`` (-1: the pending
     token). For drafts sampled from a draft model: ``q [n, V]``, the distribution each token
-    was drawn from, and ``first``: the first-level samples in the order drawn, duplicates
-    included (node indices); None for deterministic drafts."""
+    was drawn from, and ``trials``: per parent (-1: the pending token) its children in the
+    order they were drawn, duplicates included (node indices); None for deterministic drafts."""
 
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     q: Tensor | None = None
-    first: list[int] | None = None
+    trials: dict[int, list[int]] | None = None
 
 
 class PromptLookup:
@@ -80,11 +80,13 @@ def _trie(conts: list[list[int]]) -> Draft:
 
 class DraftModel:
     """A smaller causal LM with the target's vocabulary, run in this process with its own
-    DynamicCache (cropped back to the committed history after each proposal). Greedy
-    (``warp`` None): the ``width`` likeliest first tokens, each continued greedily to depth
-    ``k``. Sampling: ``width`` first tokens drawn from the warped draft distribution (with
-    replacement: duplicates merge into one node but stay separate trials), each continued by
-    a chain drawn from it, with the distributions kept for the verifier."""
+    DynamicCache (cropped back to the committed history after each proposal). It drafts a
+    chain of ``k`` tokens and, at every depth, ``width`` branches: greedy (``warp`` None), the
+    ``width`` likeliest tokens, the chain going on from the likeliest; sampling, ``width``
+    tokens drawn from the warped draft distribution (with replacement: duplicates merge into
+    one node but stay separate trials), the chain going on from the first draw, with the
+    distributions kept for the verifier. ``width`` 1: a chain; ``k - 1`` draft forwards
+    either way (the other branches are leaves)."""
 
     def __init__(self, model: torch.nn.Module, warp=None, generator: torch.Generator | None = None) -> None:
         from transformers import DynamicCache
@@ -114,36 +116,27 @@ class DraftModel:
 
     def propose(self, history: Tensor, k: int, width: int) -> Draft:
         hist = history.tolist()
-        root = self._sync(hist)
-        d, qs = Draft(), []
-        if self.warp is None:  # greedy: the width likeliest first tokens, each continued greedily
-            firsts = root.topk(min(width, root.numel())).indices.tolist()
-        else:  # sampling: width first tokens drawn from q (with replacement), chains drawn below them
-            q0 = torch.softmax(self.warp(root[None]), -1)[0]
-            draws = torch.multinomial(q0.to(self.gen.device), width, replacement=True, generator=self.gen).tolist()
-            firsts = list(dict.fromkeys(draws))
-        for t in firsts:
-            self._crop(len(hist))
-            logits, parent = None, -1
-            for i in range(k):
-                if i:
-                    if self.warp is None:
-                        t = int(logits.argmax())
-                    else:
-                        q = torch.softmax(self.warp(logits[None]), -1)[0]
-                        t = int(torch.multinomial(q.to(self.gen.device), 1, generator=self.gen))
-                        qs.append(q)
-                elif self.warp is not None:
-                    qs.append(q0)
+        logits = self._sync(hist)
+        d, qs, trials, parent = Draft(), [], {}, -1
+        for depth in range(k):
+            if self.warp is None:
+                draws = logits.topk(min(width, logits.numel())).indices.tolist()
+            else:
+                q = torch.softmax(self.warp(logits[None]), -1)[0]
+                draws = torch.multinomial(q.to(self.gen.device), width, replacement=True, generator=self.gen).tolist()
+            node = {}
+            for t in dict.fromkeys(draws):  # distinct tokens, in the order drawn
+                node[t] = len(d.tokens)
                 d.tokens.append(t)
                 d.parents.append(parent)
-                parent = len(d.tokens) - 1
-                if i + 1 < k:
-                    logits = self._run([t])
+                if self.warp is not None:
+                    qs.append(q)
+            trials[parent] = [node[t] for t in draws]
+            parent = node[draws[0]]
+            if depth + 1 < k:
+                logits = self._run([draws[0]])
         if self.warp is not None:
-            d.q = torch.stack(qs)
-            node = {t: i for i, t in reversed(list(enumerate(d.tokens))) if d.parents[i] == -1}
-            d.first = [node[t] for t in draws]
+            d.q, d.trials = torch.stack(qs), trials
         self._crop(len(hist))
         return d
 
@@ -261,7 +254,7 @@ class Speculator:
                 node = nxt
         while True:  # sampled drafts: SpecInfer's multi-step speculative sampling (one trial: Leviathan's rule)
             p = self.probs(logits[node])
-            trials = [i + 1 for i in draft.first] if node == 0 else list(children.get(node, {}).values())
+            trials = [i + 1 for i in draft.trials.get(node - 1, [])]  # none at a leaf: the target's own draw
             for c in trials:
                 q, t = draft.q[c - 1].to(p), tokens[c]
                 if self._rand() * float(q[t]) < float(p[t]):
