@@ -133,8 +133,9 @@ def tree_of(parents: Sequence[int] | None, T: int) -> tuple[list[int], Tensor, T
 
 
 def prefill(self, ids: Tensor, lens: Tensor) -> Tensor:
-    """:meth:`Session.extend` of a block on a uniform cache (``self``: the session). Every rank runs the tokens it will hold, window by window in position order, and
-    stores their K/V; returns the float32 logits of each sequence's last token."""
+    """:meth:`Session.extend` of a block on a uniform cache (``self``: the session). Every rank
+    runs the tokens it will hold, window by window in position order, and stores their K/V;
+    returns the float32 logits of each sequence's last token."""
     c, rank = self.cache, self.rank
     B, T = ids.shape
     L0 = int(c.seq_lens[0])
