@@ -89,12 +89,13 @@ def prefill_windows(positions: list[Tensor], lo: int, hi: int, chunk: int | None
     return out
 
 
-def right_padded(mask: Tensor, B: int, T: int) -> Tensor:
+def right_padded(mask: Tensor, B: int, T: int, dims: str = "[B, T]") -> Tensor:
+    """Lengths ``[B]`` (host int64) of the rows of a right-padding mask ``[B, T]``."""
     if not isinstance(mask, Tensor):
-        raise ValueError(f"attention_mask must be a [B, T] tensor, got {type(mask).__name__}")
+        raise ValueError(f"attention_mask must be a {dims} tensor, got {type(mask).__name__}")
     m = mask.detach().cpu().to(torch.int64)
     if m.shape != (B, T):
-        raise ValueError(f"attention_mask must be [B, T]={(B, T)}, got {tuple(m.shape)}")
+        raise ValueError(f"attention_mask must be {dims}={(B, T)}, got {tuple(m.shape)}")
     lens = m.sum(1)
     if not torch.equal(m, (torch.arange(T)[None, :] < lens[:, None]).to(torch.int64)):
         raise ValueError(

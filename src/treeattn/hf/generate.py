@@ -18,7 +18,7 @@ from transformers.generation.logits_process import (
 
 from ..comm.collectives import world
 from ..comm.validate import agree, float_bits
-from ._steps import checksum, model_problem
+from ._steps import checksum, model_problem, right_padded
 from .contrastive import HiddenStore, contrastive_step
 from .session import ATTENTIONS, Session
 from .speculative import SPECULATE, DraftModel, PromptLookup, Speculator
@@ -43,15 +43,7 @@ def _prompt_lens(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
     B, L = input_ids.shape
     if attention_mask is None:
         return torch.full((B,), L, dtype=torch.int64)
-    m = attention_mask.detach().cpu().to(torch.int64)
-    if m.shape != (B, L):
-        raise ValueError(f"attention_mask must be [B, L]={(B, L)}, got {tuple(m.shape)}")
-    lens = m.sum(1)
-    if not torch.equal(m, (torch.arange(L)[None, :] < lens[:, None]).to(torch.int64)):
-        raise ValueError(
-            "attention_mask must describe right padding (1...1 0...0 per row); left padding is not supported"
-        )
-    return lens
+    return right_padded(attention_mask, B, L, "[B, L]")
 
 
 def _eos_ids(model: torch.nn.Module, eos_token_id, stop_at_eos: bool) -> list[int]:
