@@ -147,10 +147,10 @@ def generate(
         speculate: None, ``"prompt-lookup"`` (drafts copied from earlier n-grams of the prompt
             and the output) or ``"draft"`` (``draft_model`` drafts): each target forward
             verifies up to ``num_draft_tokens`` drafted tokens deep, ``tree_width``
-            branches (1: a chain; more: a token tree in one :meth:`Session.step`; see
-            :class:`treeattn.hf.speculative.PromptLookup` and ``DraftModel`` for the shapes). Greedy
-            output is exactly that of non-speculative greedy decoding; sampling stays
-            lossless (see :mod:`treeattn.hf.speculative`). One sequence only (B = 1).
+            branches (1: a chain; more: a token tree in one :meth:`Session.step`; the shapes:
+            :class:`treeattn.hf.speculative.PromptLookup`, ``DraftModel``). Greedy output is
+            that of non-speculative greedy decoding (up to float rounding at exact near-ties);
+            sampling stays lossless (see :mod:`treeattn.hf.speculative`). One sequence (B = 1).
             ``info`` gets ``mean_accepted_length`` (tokens committed per target forward),
             ``acceptance_rates`` (per draft position) and ``target_forwards``.
         draft_model: a causal LM with the target's vocabulary; it drafts on rank 0 of
