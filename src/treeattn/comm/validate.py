@@ -38,9 +38,10 @@ def agree(
 ) -> None:
     """Raise the same ``ValueError`` on every rank of ``group`` if any rank had a local
     error (the message alone when every rank had the same one, else each bad rank's
-    message prefixed by ``rank r:``) or the ranks disagree on a field. ``show`` maps a field to a code->name table
-    (or ``"float"``) used to print values. One all-gather of ``2 + 240 + 16`` int64 on
-    ``device`` (default: the current CUDA device on an NCCL group, else the CPU)."""
+    message prefixed by ``rank r:``) or the ranks disagree on a field. ``show`` maps a
+    field to a code->name table (or ``"float"``) used to print values. One all-gather of
+    ``2 + 240 + 16`` int64 on ``device`` (default: the current CUDA device on an NCCL
+    group, else the CPU)."""
     if len(fields) > _FIELDS:
         raise ValueError(f"at most {_FIELDS} metadata fields")
     rank, p = world(group)
