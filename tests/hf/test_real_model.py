@@ -143,19 +143,11 @@ QUESTIONS = (
 def smol_doc(smol):
     """One document, two questions: the chat prompts, their common prefix and single-process
     greedy answers."""
-    from treeattn.hf.haystack import QUESTION, haystack
+    from treeattn.hf.haystack import QUESTION, doc_questions, haystack
     from treeattn.hf.models import load_model
 
     model, tok = load_model(smol["dir"])
-    doc = haystack(tok, DOC_TOKENS).removesuffix(QUESTION)
-    prompts = [
-        tok.apply_chat_template([{"role": "user", "content": doc + q}], add_generation_prompt=True,
-                                return_tensors="pt", return_dict=True)["input_ids"]
-        for q in QUESTIONS
-    ]  # fmt: skip
-    n = min(p.shape[1] for p in prompts)
-    same = (prompts[0][0, :n] == prompts[1][0, :n]).long().cumprod(0)
-    prefix = int(same.sum())
+    prompts, prefix = doc_questions(tok, haystack(tok, DOC_TOKENS).removesuffix(QUESTION), QUESTIONS)
     assert prefix > DOC_TOKENS, prefix
     refs = [
         model.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=NEW, do_sample=False)[:, p.shape[1] :]

@@ -32,3 +32,22 @@ def haystack(tokenizer, n_tokens: int, *, depth: float = 0.5, code: int = 7319, 
     sentences.insert(int(depth * len(sentences)), NEEDLE.format(code=code))
     paragraphs = [" ".join(sentences[i : i + 8]) for i in range(0, len(sentences), 8)]
     return "\n\n".join(paragraphs) + "\n\n" + QUESTION
+
+
+def chat_ids(tokenizer, text: str):
+    """``[1, L]`` ids of ``text`` as one user turn in the tokenizer's chat template."""
+    msgs = [{"role": "user", "content": text}]
+    return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
+
+
+def doc_questions(tokenizer, doc: str, questions) -> tuple[list, int]:
+    """The chat prompts of ``doc + q`` for each question and the length of the prefix they all
+    share (the document's tokens a session can prefill once)."""
+    prompts = [chat_ids(tokenizer, doc + q) for q in questions]
+    n = min(p.shape[1] for p in prompts)
+    same = prompts[0][0, :n] == prompts[0][0, :n]
+    for p in prompts[1:]:
+        same &= p[0, :n] == prompts[0][0, :n]
+    return prompts, int(same.long().cumprod(0).sum())
