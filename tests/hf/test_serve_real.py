@@ -1,0 +1,173 @@
+"""`treeattn serve` with the trained SmolLM2 model at p = 2, in one server launch: the official
+``openai`` client and plain HTTP; answers equal `treeattn generate` and cold single-process
+runs; the prefix cache; concurrent clients; a client that hangs up; bad requests; a full
+queue; SIGINT."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from smol import CHAT, GGUF, NEEDS_SMOL, NEW, QUESTIONS
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from server import Server  # noqa: E402
+
+pytestmark = NEEDS_SMOL
+NAME = "SmolLM2-135M-Instruct.Q4_1"  # the served name: the GGUF file's stem
+
+
+@pytest.fixture(scope="module")
+def server(smol):
+    s = Server("--model", str(GGUF), "--nproc", "2", "--max-queue", "2", "--prefill-chunk", "512")
+    yield s
+    s.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+
+
+def _ask(client, text: str, **kw):
+    return client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": text}], temperature=0, **kw)
+
+
+def _streamed(client, text: str, **kw) -> tuple[str, object, list]:
+    chunks = list(_ask(client, text, stream=True, stream_options={"include_usage": True}, **kw))
+    body = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return body, chunks[-1].usage, chunks
+
+
+def test_chat_equals_treeattn_generate(server, client):
+    r = subprocess.run([sys.executable, "-m", "treeattn", "generate", "--model", str(GGUF), "--chat", "--prompt", CHAT,
+                        "--nproc", "2", "--no-stream"], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    want = r.stdout[:-1]  # print() added the newline
+    assert "Paris" in want
+    assert client.models.list().data[0].id == NAME
+    got = _ask(client, CHAT)
+    assert got.choices[0].message.content == want and got.choices[0].finish_reason == "stop"
+    assert got.usage.prompt_tokens == 37 and got.usage.total_tokens == 37 + got.usage.completion_tokens
+    text, usage, chunks = _streamed(client, CHAT)
+    assert text == want and chunks[0].choices[0].delta.role == "assistant"
+    assert usage.prompt_tokens == 37 and usage.completion_tokens == got.usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens > 0  # the same prompt: its prefix was kept
+    cut = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": CHAT}], temperature=0,
+                                         stop=["Paris"])  # fmt: skip
+    assert cut.choices[0].message.content == want[: want.index("Paris")] and cut.choices[0].finish_reason == "stop"
+    short = _ask(client, CHAT, max_tokens=3)
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 3
+    plain = client.completions.create(model=NAME, prompt="The capital of France is", max_tokens=5, temperature=0)
+    assert plain.choices[0].text and plain.usage.prompt_tokens == 5
+
+
+def test_second_question_reuses_the_document(server, client, smol_doc):
+    d = smol_doc
+    outs = []
+    for q, ref, ids in zip(QUESTIONS, d["answers"], d["prompts"], strict=True):
+        got = _ask(client, d["doc"] + q, max_tokens=NEW)
+        outs.append(got)
+        assert got.choices[0].message.content == ref, q  # a cold single-process run's tokens
+        assert got.usage.prompt_tokens == ids.shape[1]
+    assert outs[1].usage.prompt_tokens_details.cached_tokens >= d["prefix"] - 1  # the document ran once
+    assert outs[0].usage.prompt_tokens_details.cached_tokens < 100  # at most the chat template's head
+
+
+def test_concurrent_clients_get_their_own_answers(server, client):
+    questions = ["Name a primary color.", "What is 2 plus 2?", "Say hello in French."]
+    alone = [_ask(client, q, max_tokens=NEW).choices[0].message.content for q in questions]
+    got: dict[int, str] = {}
+
+    def one(i):
+        if i == 1:
+            got[i] = _streamed(client, questions[i], max_tokens=NEW)[0]
+        else:
+            got[i] = _ask(client, questions[i], max_tokens=NEW).choices[0].message.content
+
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(600)
+    assert [got.get(i) for i in range(3)] == alone
+
+
+def _health(server):
+    return server.request("GET", "/health")[1]
+
+
+def test_client_hangs_up_mid_stream(server, client):
+    before = _health(server)
+    stream = server.events("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content":
+                           "Write a long story about a dragon."}], "max_tokens": 400, "temperature": 0,
+                           "stream_options": {"include_usage": True}})  # fmt: skip
+    for _ in range(4):
+        next(stream)
+    stream.close()  # hang up
+    deadline = time.monotonic() + 60
+    while _health(server)["cancelled"] == before["cancelled"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    after = _health(server)
+    assert after["cancelled"] == before["cancelled"] + 1
+    assert after["completion_tokens"] - before["completion_tokens"] < 400  # it stopped early
+    assert "Paris" in _ask(client, CHAT).choices[0].message.content  # still serving, in lockstep
+
+
+@pytest.mark.parametrize(
+    "body, status, where",
+    [
+        (b"{not json", 400, "not valid JSON"),
+        ({"model": NAME, "messages": []}, 400, "messages"),
+        ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
+        ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+        ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p"),
+        ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9000}, 400, "8192 positions"),
+        ({"model": NAME, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+        ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs"),
+        ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "tools": []}, 400, "tools"),
+        ({"model": NAME, "prompt": [49152]}, 400, "[0, 49152)"),
+        ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "does not exist"),
+    ],
+)
+def test_bad_requests(server, body, status, where):
+    path = "/v1/completions" if isinstance(body, dict) and "prompt" in body else "/v1/chat/completions"
+    st, out = server.request("POST", path, None if isinstance(body, bytes) else body,
+                             raw=body if isinstance(body, bytes) else None)  # fmt: skip
+    assert st == status and where in out["error"]["message"], out
+    assert set(out["error"]) == {"message", "type", "param", "code"}
+    assert server.request("GET", "/health")[0] == 200
+
+
+def test_full_queue_is_429(server, client):
+    long = server.events("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content":
+                         "Write a long story about a dragon."}], "max_tokens": 300, "temperature": 0})  # fmt: skip
+    next(long)  # it runs
+    done: list = []
+    waiting = [threading.Thread(target=lambda: done.append(_ask(client, CHAT, max_tokens=4))) for _ in range(2)]
+    for t in waiting:
+        t.start()
+    deadline = time.monotonic() + 60
+    while _health(server)["queued"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    st, out = server.request("POST", "/v1/chat/completions", {"model": NAME, "messages": [{"role": "user",
+                             "content": "hi"}]})  # fmt: skip
+    assert st == 429 and out["error"]["code"] == "queue_full"
+    with pytest.raises(openai.RateLimitError):
+        _ask(client, CHAT)
+    long.close()
+    for t in waiting:
+        t.join(600)
+    assert len(done) == 2 and all(d.choices[0].finish_reason == "length" for d in done)
+
+
+def test_sigint_stops_every_process(server):
+    assert len(server.ranks()) == 2
+    code, seconds, left = server.stop()
+    assert not left and seconds < 30, (left, seconds)
+    assert code == 0 and "treeattn serve: stopped" in server.output()
