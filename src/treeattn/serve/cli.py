@@ -196,7 +196,8 @@ def run(a: argparse.Namespace) -> int:
     def stop(signum, frame):
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, stop)
+    for s in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a shell's background job inherits it ignored
+        signal.signal(s, stop)
     try:
         launch(worker, a.nproc, (a, model_dir, True), threads=a.threads, timeout=float("inf"),
                collective_timeout=a.collective_timeout, backend="nccl" if a.device == "cuda" else "gloo")  # fmt: skip

@@ -178,6 +178,7 @@ class Engine:
             from ..hf.generate import _processors
 
             warp = _processors(req.temperature, None, req.top_p, None, None, dev)
+            none = torch.zeros(1, 0, dtype=torch.int64, device=dev)
         out: list[int] = []
         sent, hold = "", max((len(s) for s in req.stop), default=0)
         t0 = time.perf_counter()
@@ -185,8 +186,7 @@ class Engine:
             if warp is None:
                 tok = int(logits[0].argmax())
             else:
-                hist = torch.tensor([req.ids + out], device=dev)
-                probs = torch.softmax(warp(hist, logits.float()), -1)
+                probs = torch.softmax(warp(none, logits.float()), -1)  # temperature, top-p: no history needed
                 tok = int(torch.multinomial(probs, 1, generator=gen))
             out.append(tok)
             finish = None
