@@ -122,16 +122,18 @@ def stall_worker(outdir: str) -> None:
     record["node group timeouts"] = [
         g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in node_groups(None, Topology(1))
     ]
-    scenarios = [  # (name, stalled rank, module whose _attention stalls, call)
-        ("tree allreduce2", 0, tree_mod, lambda: treeattn.tree_decode(q, k, v, group=sub[0], strategy="allreduce2")),
-        ("ring", 1, ring_mod, lambda: treeattn.ring_decode(q, k, v, group=sub[1])),
-    ]
-    for name, stalled, mod, call in scenarios:
+    scenarios = [  # (name, stalled rank, module and function that stall, call)
+        ("tree allreduce2", 0, tree_mod, "_attention",
+         lambda: treeattn.tree_decode(q, k, v, group=sub[0], strategy="allreduce2")),
+        # the ring posts its first transfer before its own block's attention: stall before the post
+        ("ring", 1, ring_mod, "sendrecv", lambda: treeattn.ring_decode(q, k, v, group=sub[1])),
+    ]  # fmt: skip
+    for name, stalled, mod, fn, call in scenarios:
         dist.barrier()  # on the world group, which stays healthy
         t0 = time.monotonic()
         try:
             if rank == stalled:
-                with _patched(mod, "_attention", _stall_in_local_attention(SUB_TIMEOUT + 1)):
+                with _patched(mod, fn, _stall_in_local_attention(SUB_TIMEOUT + 1)):
                     call()
             else:
                 call()
@@ -225,14 +227,14 @@ def kill_worker(kind: str, outdir: str) -> None:
 
     rank = dist.get_rank()
     q, k, v = _data(rank)
-    mod, call = (
-        (tree_mod, lambda: treeattn.tree_decode(q, k, v, strategy="allgather"))
+    mod, fn, call = (  # the ring posts its transfer before its own block's attention: die before the post
+        (tree_mod, "_attention", lambda: treeattn.tree_decode(q, k, v, strategy="allgather"))
         if kind == "tree"
-        else (ring_mod, lambda: treeattn.ring_decode(q, k, v))
+        else (ring_mod, "sendrecv", lambda: treeattn.ring_decode(q, k, v))
     )
     call()  # one good step first
     if rank == 1:
-        with _patched(mod, "_attention", _kill_in_local_attention(outdir)):
+        with _patched(mod, fn, _kill_in_local_attention(outdir)):
             call()
     try:
         call()

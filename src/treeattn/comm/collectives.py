@@ -104,6 +104,22 @@ def all_gather(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     return out.view(p, *t.shape)
 
 
+def all_to_all(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """``t [p, ...]``: block j goes to rank j; returns ``[p, ...]`` whose block j came from rank j."""
+    _, p = world(group)
+    if p == 1:
+        return t
+    t = t.contiguous()
+    out = torch.empty_like(t)
+    n = t.numel() * t.element_size()
+    meter.record("all_to_all", (p - 1) * n // p, (p - 1) * n // p)
+    try:
+        dist.all_to_all_single(out, t, group=group)
+    except RuntimeError as e:
+        raise _failure("all_to_all", group, e) from e
+    return out
+
+
 class _Request:
     """A point-to-point request whose ``wait()`` raises :class:`CollectiveError`."""
 

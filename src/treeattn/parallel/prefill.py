@@ -7,10 +7,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..comm.collectives import all_gather, world
+from ..comm.collectives import all_gather, all_to_all, world
 from ..comm.strategies import STRATEGIES, reduce_states
 from ..ops.attention import _attention
-from ..ops.state import empty_state, merge_states
+from ..ops.state import empty_state, merge_states, merge_states_n
 from ._common import check_window
 
 _MASK_BUDGET = 1 << 24  # elements of the dense causal mask per attention call
@@ -250,7 +250,13 @@ def tree_prefill(
     out, lse = causal_states(
         allq, k, v, allpos, k_positions, scale=scale, backend=backend, window=window, softcap=softcap
     )
-    out, lse = reduce_states(out, lse, group=group, strategy=strategy)
-    out, lse = out[:, :, rank * nmax : rank * nmax + n], lse[:, :, rank * nmax : rank * nmax + n]
+    if strategy == "auto" and p > 1:  # each rank gets only its own queries' states: an all-to-all
+        st = torch.cat([out, lse.to(out.dtype).unsqueeze(-1)], -1).unflatten(2, (p, nmax)).movedim(2, 0)
+        st = all_to_all(st, group)  # [p, B, Hq, nmax, Dv + 1]: rank j's partial states of my queries
+        out, lse = merge_states_n(st[..., :-1], st[..., -1])
+        out, lse = out[:, :, :n], lse[:, :, :n]
+    else:
+        out, lse = reduce_states(out, lse, group=group, strategy=strategy)
+        out, lse = out[:, :, rank * nmax : rank * nmax + n], lse[:, :, rank * nmax : rank * nmax + n]
     out = out.to(q.dtype)
     return (out, lse) if return_lse else out

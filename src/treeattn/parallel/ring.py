@@ -43,11 +43,12 @@ def ring_pass(k: Tensor, v: Tensor, sizes: list[int], group, visit: Callable[[in
 
     Each hop sends the block this rank holds as two messages (K and V, no packing copy) and
     receives the next into one of two persistent buffers (no allocation per step, like a
-    preallocated ring); the transfer overlaps ``visit`` of the block held.
+    preallocated ring); ``visit`` of the block held (the own block at the first hop) runs
+    while the transfer is in flight.
     """
     rank, p = world(group)
-    visit(rank, k, v)
     if p == 1:
+        visit(rank, k, v)
         return
     B, H, _, D = k.shape
     Dv = v.shape[3]
@@ -63,17 +64,16 @@ def ring_pass(k: Tensor, v: Tensor, sizes: list[int], group, visit: Callable[[in
         return held if sizes[src] else (k[:, :, :0], v[:, :, :0])
 
     held = (k.contiguous(), v.contiguous()) if k.shape[2] else block(bufs[0].new_zeros(2), 0)
+    held_src = rank
     for hop in range(1, p):
         src = (rank - hop) % p
         nxt = block(bufs[hop % 2], sizes[src])
         reqs = sendrecv(list(held), (rank + 1) % p, list(nxt), (rank - 1) % p, group)
-        if hop > 1:  # attend to the block received last hop while the next one is in flight
-            visit((src + 1) % p, *shaped((src + 1) % p, held))
+        visit(held_src, *shaped(held_src, held))  # while the next block is in flight
         for r in reqs:
             r.wait()
-        held = nxt
-    last = (rank + 1) % p
-    visit(last, *shaped(last, held))
+        held, held_src = nxt, src
+    visit(held_src, *shaped(held_src, held))
 
 
 def _visible_slice(k: Tensor, v: Tensor, kv_lens: Tensor | None, kv_start: Tensor):
