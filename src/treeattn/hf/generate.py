@@ -20,7 +20,7 @@ from ..comm.collectives import world
 from ..comm.validate import agree, float_bits
 from ._steps import checksum, model_problem, right_padded
 from .contrastive import HiddenStore, contrastive_step
-from .session import ATTENTIONS, Session
+from .session import ATTENTIONS, PREFILLS, Session
 from .speculative import SPECULATE, DraftModel, PromptLookup, Speculator
 
 
@@ -83,6 +83,7 @@ def generate(
     block: int = 1,
     attention: str = "tree",
     strategy: str = "auto",
+    prefill: str = "auto",
     do_sample: bool = False,
     temperature: float = 1.0,
     top_k: int | None = None,
@@ -109,10 +110,11 @@ def generate(
 
     The prompt's tokens are spread over the ranks by ``placement``; each rank runs the model
     on its share in chunks of ``prefill_chunk`` tokens, with exact causal attention across
-    the shards (``attention="tree"``: Tree prefill, the chunk's queries gathered and the
-    states reduced, traffic independent of the context; ``"ring"``: Ring Attention prefill).
-    Every decoded token is then run on all ranks with attention over the sharded cache by
-    Tree decoding (reduction ``strategy``) or Ring decoding. It is a loop over a
+    the shards (``prefill="tree"``: the chunk's queries gathered and their states sent back,
+    traffic independent of the context; ``"ring"``: Ring Attention, the K/V passed around;
+    ``"auto"``: per chunk, the one moving fewer bytes). Every decoded token is then run on
+    all ranks with attention over the sharded cache by Tree decoding (``attention="tree"``,
+    reduction ``strategy``) or Ring decoding (``"ring"``). It is a loop over a
     :class:`treeattn.hf.Session` (``extend`` of the prompt, then of each token) whose cache
     is dropped on return: keep a Session yourself to ask several questions of one document.
 
@@ -174,6 +176,8 @@ def generate(
     try:  # local checks; the verdict is shared below so a bad argument on one rank fails all
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+        if prefill not in PREFILLS:
+            raise ValueError(f"prefill must be one of {PREFILLS}, got {prefill!r}")
         if input_ids.ndim != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids must be [B, L] with L >= 1, got {tuple(input_ids.shape)}")
         if max_new_tokens < 1:
@@ -224,7 +228,7 @@ def generate(
     agree(fields, err, group=group, show={"temperature": "float", "attention": dict(enumerate(ATTENTIONS))})
 
     device = input_ids.device
-    session = Session(model, group, placement, attention, strategy, prefill_chunk, block=block)
+    session = Session(model, group, placement, attention, strategy, prefill_chunk, block=block, prefill=prefill)
     procs = _processors(temperature, top_k, top_p, typical_p, eta_cutoff, device) if do_sample else None
     gen = torch.Generator(device=device).manual_seed(seed)
     bar = None

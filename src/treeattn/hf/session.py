@@ -22,6 +22,7 @@ from . import _steps as S
 from .attention import ATTN_NAME, StepContext, TreeAttnCache
 
 ATTENTIONS = ("tree", "ring")
+PREFILLS = ("auto", "tree", "ring")
 _OPS = ("extend", "step", "keep", "rewind")
 
 
@@ -49,7 +50,10 @@ class Session:
         group: the sequence-parallel process group (default: the world; without
             torch.distributed initialised, one process).
         placement, block: KV placement (see :class:`treeattn.ShardedKVCache`).
-        attention: ``"tree"`` (Tree prefill and decoding) or ``"ring"`` (Ring Attention).
+        attention: decoding by ``"tree"`` (Tree Attention) or ``"ring"`` (Ring Attention).
+        prefill: how :meth:`extend` prefills a block, chunk by chunk: ``"tree"`` (queries
+            gathered, states exchanged), ``"ring"`` (K/V passed around, overlapped with the
+            attention) or ``"auto"`` (per chunk, the one moving fewer bytes per rank).
         strategy: Tree decoding's reduction (one of ``treeattn.comm.STRATEGIES``).
         prefill_chunk: tokens per rank run through the model at a time by :meth:`extend`
             (bounds the activations); None: a whole extend at once.
@@ -72,12 +76,15 @@ class Session:
         max_length: int | None = None,
         *,
         block: int = 1,
+        prefill: str = "auto",
     ) -> None:
         self.rank, self.p = world(group)
         err, limit = None, 0
         try:
             if attention not in ATTENTIONS:
                 raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+            if prefill not in PREFILLS:
+                raise ValueError(f"prefill must be one of {PREFILLS}, got {prefill!r}")
             if placement not in PLACEMENTS:
                 raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
             if strategy not in STRATEGIES:
@@ -102,6 +109,7 @@ class Session:
         cfg = model.config if ok else None
         fields = {
             "attention": ATTENTIONS.index(attention) if attention in ATTENTIONS else -1,
+            "prefill": PREFILLS.index(prefill) if prefill in PREFILLS else -1,
             "placement": PLACEMENTS.index(placement) if placement in PLACEMENTS else -1,
             "strategy": STRATEGIES.index(strategy) if strategy in STRATEGIES else -1,
             "prefill_chunk": prefill_chunk or 0 if ok else -1,
@@ -115,7 +123,7 @@ class Session:
                                               "placement": dict(enumerate(PLACEMENTS))})  # fmt: skip
         self.model, self.group = model, group
         self.placement, self.block, self.attention, self.strategy = placement, block, attention, strategy
-        self.prefill_chunk, self.max_length = prefill_chunk, limit
+        self.prefill_chunk, self.max_length, self.prefill = prefill_chunk, limit, prefill
         self.decoder = model.get_decoder()
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
@@ -212,7 +220,7 @@ class Session:
                 raise ValueError(
                     "a right-padded attention_mask needs every sequence of the batch at the same length and layout"
                 )
-            self._check_room(lens, B)
+            S.check_room(self, lens, B)
         except (ValueError, TypeError) as e:
             err = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
         if check:
@@ -277,7 +285,7 @@ class Session:
         try:
             B, T = self._check_ids(tokens, "tokens", check)
             tree = S.tree_of(parents, T)
-            self._check_room(torch.full((B,), int(tree[1].max()) + 1), B)
+            S.check_room(self, torch.full((B,), int(tree[1].max()) + 1), B)
         except (ValueError, TypeError) as e:
             err = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
         if check:
@@ -345,15 +353,6 @@ class Session:
         if len(self) and B != self.batch:
             raise ValueError(f"{what} has batch {B}, but the session holds {self.batch} sequences (rewind(0) first)")
         return B, ids.shape[1]
-
-    def _check_room(self, add: Tensor, B: int) -> None:
-        base = self._lens if len(self) or B == self.batch else torch.zeros(B, dtype=torch.int64)
-        end = int((base + add).max())
-        if end > self.max_length:
-            raise ValueError(
-                f"this call would take a sequence to {end} tokens, but the session holds at most "
-                f"{self.max_length} (max_length, at most the model's max_position_embeddings); rewind first"
-            )
 
     def _agree(self, op: str, err: str | None, ids: Tensor | None, extra: int) -> None:
         ok = err is None

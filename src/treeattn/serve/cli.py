@@ -81,7 +81,7 @@ def worker(a: argparse.Namespace, model_dir: str | None, local: bool) -> None:
 
         kernel_available()
     kw = dict(placement=a.placement, attention=a.attention, strategy=a.strategy,
-              prefill_chunk=a.prefill_chunk or None, block=a.block)  # fmt: skip
+              prefill_chunk=a.prefill_chunk or None, block=a.block, prefill=a.prefill)  # fmt: skip
     engine = Engine(model, None, kw, a.cache_tokens)
     if rank:
         engine.follow()
@@ -149,7 +149,9 @@ def add_parser(sub) -> None:
         "prefixes go first (default 32768; 0: no prefix cache)",
     )
     g.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 429 (default 64)")
-    g.add_argument("--attention", choices=["tree", "ring"], default="tree")
+    g.add_argument("--attention", choices=["tree", "ring"], default="tree", help="decoding: Tree or Ring Attention")
+    g.add_argument("--prefill", choices=["auto", "tree", "ring"], default="auto",
+                   help="how prompts are prefilled across ranks (default auto: per chunk, fewer bytes)")  # fmt: skip
     g.add_argument("--strategy", choices=STRATEGIES, default="auto")
     g.add_argument("--placement", choices=["interleaved", "contiguous"], default="interleaved")
     g.add_argument("--block", type=at_least(1), default=1, help="tokens per placement block (default 1)")
