@@ -133,11 +133,15 @@ def tree_of(parents: Sequence[int] | None, T: int) -> tuple[list[int], Tensor, T
     return parents, depth, sees
 
 
+_FLOPS_PER_BYTE = 30  # attention flops one rank does while gloo moves a byte (2-core host, order of magnitude)
+
+
 def prefill_method(self, q_pos: list[Tensor], old: list[Tensor], new: list[Tensor], b: list[int]) -> str:
-    """``"tree"`` or ``"ring"`` for one prefill chunk: the one whose traffic per rank is smaller.
-    Ring receives every other rank's keys and values up to this chunk (p - 1 hops, overlapped
-    with the attention); Tree gathers the chunk's queries and sends each rank its queries'
-    states (an all-gather and an all-to-all of ``n_max`` rows each)."""
+    """``"tree"`` or ``"ring"`` for one prefill chunk: the one with less traffic left exposed.
+    Ring receives every other rank's keys and values up to this chunk, overlapped with the
+    attention of the block held (hidden at ``_FLOPS_PER_BYTE``): big chunks hide it all, a few
+    queries over a long cache do not. Tree gathers the chunk's queries and sends each rank its
+    queries' states (an all-gather and an all-to-all of ``n_max`` rows), with nothing to hide behind."""
     if self.p == 1:
         return "tree"
     cfg = self.model.config
@@ -145,7 +149,8 @@ def prefill_method(self, q_pos: list[Tensor], old: list[Tensor], new: list[Tenso
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
     e = self.dtype.itemsize
     keys = [len(o) + j for o, j in zip(old, b, strict=True)]
-    ring = max(sum(keys) - m for m in keys) * hkv * 2 * d * e
+    ring = max((sum(keys) - m) * hkv * 2 * d * e - 4 * len(q) * m * hq * d / _FLOPS_PER_BYTE
+               for q, m in zip(q_pos, keys, strict=True))  # fmt: skip
     tree = (self.p - 1) * max(len(x) for x in q_pos) * hq * (d * e + (d + 1) * max(e, 4))  # states: float32+
     return "ring" if ring <= tree else "tree"
 

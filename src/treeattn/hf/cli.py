@@ -63,10 +63,21 @@ def _tokenize(a, tok) -> torch.Tensor:
     return tok(text, return_tensors="pt").input_ids
 
 
-def prepare(a: argparse.Namespace, local_ranks: int) -> Job:
-    """Resolve the model, build the prompt and check that it fits, before any rank starts work."""
+def model_config(spec: str) -> tuple:
+    """(directory, config) of a ``--model`` argument; UsageError when it cannot be found."""
     from transformers import AutoConfig
 
+    from .models import ModelNotFound, resolve_model
+
+    try:
+        d = str(resolve_model(spec, log=say))
+    except ModelNotFound as e:
+        raise UsageError(str(e)) from e
+    return d, AutoConfig.from_pretrained(d, local_files_only=True, trust_remote_code=False)
+
+
+def prepare(a: argparse.Namespace, local_ranks: int) -> Job:
+    """Resolve the model, build the prompt and check that it fits, before any rank starts work."""
     if a.system is not None and not a.chat:
         raise UsageError("--system needs --chat")
     if a.chat and a.prompt is None and a.prompt_file is None:
@@ -90,13 +101,7 @@ def prepare(a: argparse.Namespace, local_ranks: int) -> Job:
         raise UsageError("--draft-model is used by --speculate draft only")
     model_dir, tok = None, None
     if a.model:
-        from .models import ModelNotFound, resolve_model
-
-        try:
-            model_dir = str(resolve_model(a.model, log=say))
-        except ModelNotFound as e:
-            raise UsageError(str(e)) from e
-        cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+        model_dir, cfg = model_config(a.model)
         if a.prompt is not None or a.prompt_file is not None:
             from transformers import AutoTokenizer
 
@@ -149,18 +154,15 @@ def prepare(a: argparse.Namespace, local_ranks: int) -> Job:
 def _draft_dir(a, text_cfg, model_dir: str | None) -> str | None:
     """The draft model's directory (None: a preset), checked against the target's vocabulary
     and tokenizer before any rank starts."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from .models import ModelNotFound, resolve_model
+    from transformers import AutoTokenizer
 
     if a.draft_model in PRESETS:
         d, dcfg = None, preset_config(a.draft_model)
     else:
         try:
-            d = str(resolve_model(a.draft_model, log=say))
-        except ModelNotFound as e:
+            d, dcfg = model_config(a.draft_model)
+        except UsageError as e:
             raise UsageError(str(e).replace("--model", "--draft-model", 1)) from e
-        dcfg = AutoConfig.from_pretrained(d, local_files_only=True, trust_remote_code=False)
     dcfg = dcfg.get_text_config() if hasattr(dcfg, "get_text_config") else dcfg
     if dcfg.vocab_size != text_cfg.vocab_size:
         raise UsageError(

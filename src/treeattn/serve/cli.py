@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from .._argtypes import at_least
 from ..comm.strategies import STRATEGIES
-from ..hf.cli import UsageError, say
+from ..hf.cli import UsageError, model_config, say
 from ..hf.presets import PRESETS, build_model, preset_config
 
 
@@ -26,19 +26,7 @@ def prepare(a: argparse.Namespace) -> str | None:
 
     if a.max_queue < 1:
         raise UsageError(f"--max-queue must be >= 1, got {a.max_queue}")
-    model_dir = None
-    if a.model:
-        from transformers import AutoConfig
-
-        from ..hf.models import ModelNotFound, resolve_model
-
-        try:
-            model_dir = str(resolve_model(a.model, log=say))
-        except ModelNotFound as e:
-            raise UsageError(str(e)) from e
-        cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
-    else:
-        cfg = preset_config(a.preset)
+    model_dir, cfg = model_config(a.model) if a.model else (None, preset_config(a.preset))
     why = unsupported_reason(cfg)
     if why is not None:
         raise UsageError(why)
