@@ -1,5 +1,5 @@
 """Causal prefill across ranks: Ring Attention (seed 004: online softmax over blocks) and
-Tree prefill (queries gathered, local attention, one tree reduction of the states)."""
+Tree prefill (queries gathered, local attention, the states sent back by one all-to-all)."""
 
 from __future__ import annotations
 
@@ -211,10 +211,10 @@ def tree_prefill(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact causal attention for queries spread over the ranks of ``group`` against a KV
     cache sharded over them, by Tree Attention: the ranks gather every rank's queries (one
-    all-gather of ``p·n_max`` query rows), each attends them to its own shard, and one
-    reduction (``strategy``, as :func:`treeattn.tree_decode`) merges the states. The traffic
-    per call is ``O(p·n_max·Hq·D)``, independent of the cache length (Ring prefill moves
-    the whole cache), which is what makes a chunked prefill of a long prompt cheap.
+    all-gather of ``p·n_max`` query rows), each attends them to its own shard, and every rank
+    gets its own queries' partial states back (one all-to-all of ``n_max`` rows per pair of
+    ranks) and merges them. The traffic per call is ``O(p·n_max·Hq·D)``, independent of the
+    cache length (Ring prefill moves the whole cache): a few queries over a long cache are cheap.
 
     Args:
         q: ``[B, Hq, n, D]`` this rank's queries (``n = len(q_positions[rank])``, may differ
@@ -225,7 +225,9 @@ def tree_prefill(
             same list on every rank) of rank j's queries.
         k_positions: ``[m]`` global positions (host) of this rank's keys. A query at
             position ``a`` sees the keys at positions ``<= a`` on every rank.
-        strategy: reduction (one of ``treeattn.comm.STRATEGIES``).
+        strategy: ``"auto"``: the all-to-all above; another of ``treeattn.comm.STRATEGIES``
+            merges every query's states on every rank by that reduction (as
+            :func:`treeattn.tree_decode`), then keeps this rank's.
         window, softcap: sliding window on global positions and attention-logit
             softcapping, as :func:`ring_prefill`.
 
