@@ -168,3 +168,38 @@ def test_bad_arguments_are_named():
         merge_states(o, l.tolist(), o, l)
     with pytest.raises(TypeError, match="torch.stack a list first"):
         merge_states_n([o, o], [l, l])
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    kinds=st.lists(st.sampled_from(["finite", "-inf", "+inf", "nan", "far"]), min_size=2, max_size=2),
+    seed=st.integers(0, 2**16),
+    half=st.booleans(),
+)
+def test_merge_into_equals_merge_states(kinds, seed, half):
+    """The in-place merge of the prefill's hot path gives merge_states' result bit for bit in
+    meaning: empty states (±inf lse, NaN out) count nothing, NaN propagates, far lse are stable."""
+    from treeattn.ops.state import merge_into
+
+    g = torch.Generator().manual_seed(seed)
+    rows = 6
+    states = []
+    for kind in kinds:
+        out = torch.randn(rows, D, generator=g)
+        lse = torch.randn(rows, generator=g) * 3
+        pick = torch.rand(rows, generator=g) < 0.5  # the kind applies to some rows only
+        special = {"-inf": NEG, "+inf": math.inf, "nan": math.nan, "far": 1e4, "finite": None}[kind]
+        if special is not None:
+            lse = lse.masked_fill(pick, special)
+        if kind in ("-inf", "+inf"):
+            out = out.masked_fill(pick[:, None], math.nan)  # an empty state's out is ignored
+        states.append((out, lse))
+    (oa, la), (ob, lb) = states
+    want_o, want_l = merge_states(oa, la, ob, lb)
+    acc_o, acc_l, ob0 = oa.clone(), la.clone(), ob.clone()
+    merge_into(acc_o, acc_l, ob.to(torch.bfloat16) if half else ob, lb)
+    if half:
+        want_o, want_l = merge_states(oa, la, ob.to(torch.bfloat16), lb)
+    torch.testing.assert_close(acc_l, want_l, equal_nan=True, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(acc_o, want_o, equal_nan=True, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ob, ob0, equal_nan=True, rtol=0, atol=0)  # the second state is not written

@@ -241,7 +241,8 @@ def _attention(
             out, lse = _flash_cpu(qg, k, v, scale, lo, hi, vis)
             # the kernel reports a row whose scores are all NaN as fully masked (lse 0, out 0);
             # its empty rows are -inf by now, so such a row is redone (exactly) on the torch path
-            redo = bool(((lse == 0) & (out == 0).all(-1)).any())
+            zero = lse == 0  # (the row check only where some lse is 0: it reads all of out)
+            redo = bool(zero.any()) and bool((zero & (out == 0).all(-1)).any())
         if redo:
             out, lse = _chunked(qg, k, v, scale, lo, hi, vis, None, softcap)
     else:
@@ -390,5 +391,6 @@ def _flash_cpu(
     # an inf score: lse +inf (which a merge would read as empty), out NaN in float32 but 0 in
     # bfloat16; undefined either way
     bad = (lse == float("inf")) | lse.isnan()
-    out, lse = out.masked_fill(bad.unsqueeze(-1), float("nan")), lse.masked_fill(bad, float("nan"))
+    if bool(bad.any()):
+        out, lse = out.masked_fill(bad.unsqueeze(-1), float("nan")), lse.masked_fill(bad, float("nan"))
     return out, lse.to(torch.float64 if qg.dtype == torch.float64 else torch.float32)

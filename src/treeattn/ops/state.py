@@ -121,3 +121,25 @@ def merge_states_n(out: Tensor, lse: Tensor, dim: int = 0) -> tuple[Tensor, Tens
         out_m = out_m.masked_fill(undefined.unsqueeze(-1), float("nan"))
         lse_m = lse_m.masked_fill(undefined, float("nan"))
     return out_m, lse_m
+
+
+def merge_into(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
+    """In place: ``(out_a, lse_a)`` becomes the merge of itself with ``(out_b, lse_b)``, the
+    semantics of :func:`merge_states`. ``out_a``/``lse_a`` are the caller's float32 (float64)
+    accumulators of equal shapes; ``out_b``/``lse_b`` have the same shapes, any float dtype.
+    Two passes over ``out`` and no stacking: the hot path of a prefill's block merges."""
+    inf = float("inf")
+    la = lse_a.masked_fill(lse_a == inf, -inf)
+    lb = lse_b.to(lse_a.dtype).masked_fill(lse_b == inf, -inf)
+    m = torch.maximum(la, lb)  # NaN propagates
+    m = m.masked_fill(torch.isinf(m), 0.0)
+    wa, wb = torch.exp(la - m), torch.exp(lb - m)
+    s = wa + wb
+    lse_a.copy_(m + torch.log(s))
+    s = s.masked_fill(s == 0, 1.0)
+    wa, wb = (wa / s).unsqueeze(-1), (wb / s).unsqueeze(-1)
+    if bool((wb == 0).any()):  # an empty (or negligible) state's out may be NaN: it must not count
+        out_b = out_b.masked_fill(wb == 0, 0.0)
+    if bool((wa == 0).any()):
+        out_a.masked_fill_(wa == 0, 0.0)
+    out_a.mul_(wa).addcmul_(out_b, wb)

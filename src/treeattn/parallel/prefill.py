@@ -10,7 +10,7 @@ from torch import Tensor
 from ..comm.collectives import all_gather, all_to_all, world
 from ..comm.strategies import STRATEGIES, reduce_states
 from ..ops.attention import _attention
-from ..ops.state import empty_state, merge_states, merge_states_n
+from ..ops.state import empty_state, merge_into, merge_states_n
 from ._common import check_window
 
 _MASK_BUDGET = 1 << 24  # elements of the dense causal mask per attention call
@@ -106,8 +106,7 @@ def _causal_blocks(q, k, v, end: Tensor, scale, softcap, backend) -> tuple[Tenso
         return None
     B, Hq, T, D = q.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    out, lse = empty_state((B, Hq, T, v.shape[3]), q.device)
-    out, lse = out.to(acc), lse.to(acc)
+    out = lse = None
     for i, j, tri in runs:
         e0, e1 = int(end[i]), int(end[j - 1])
         shared = e0 - 1 if tri else e0
@@ -118,8 +117,16 @@ def _causal_blocks(q, k, v, end: Tensor, scale, softcap, backend) -> tuple[Tenso
                             keep_fp32=True)  # fmt: skip
         if tri:
             t = _triangle(qr, k[:, :, shared:e1], v[:, :, shared:e1], scale, softcap, backend)
-            st = merge_states(*st, *t) if st is not None else t
-        out[:, :, i:j], lse[:, :, i:j] = st[0].to(acc), st[1].to(acc)
+            if st is None:
+                st = t
+            else:
+                merge_into(*st, *t)
+        if (i, j) == (0, T):  # one run covers every row: its state is the result
+            return st[0].to(acc), st[1].to(acc)
+        if out is None:
+            out, lse = empty_state((B, Hq, T, v.shape[3]), q.device)
+            out, lse = out.to(acc), lse.to(acc)
+        out[:, :, i:j], lse[:, :, i:j] = st[0], st[1]
     return out, lse
 
 
@@ -186,7 +193,10 @@ def ring_prefill(
         o, l = causal_states(
             q, kb, vb, qpos, positions[src], scale=scale, backend=backend, window=window, softcap=softcap
         )
-        state[:] = merge_states(*state, o, l) if state else (o, l)
+        if state:
+            merge_into(*state, o, l)
+        else:
+            state[:] = o, l
 
     ring_pass(k, v, [len(x) for x in positions], group, visit)
     out, lse = state
