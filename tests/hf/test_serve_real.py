@@ -85,10 +85,13 @@ def test_concurrent_clients_get_their_own_answers(server, client):
     got: dict[int, str] = {}
 
     def one(i):
-        if i == 1:
-            got[i] = _streamed(client, questions[i], max_tokens=NEW)[0]
-        else:
-            got[i] = _ask(client, questions[i], max_tokens=NEW).choices[0].message.content
+        try:
+            if i == 1:
+                got[i] = _streamed(client, questions[i], max_tokens=NEW)[0]
+            else:
+                got[i] = _ask(client, questions[i], max_tokens=NEW).choices[0].message.content
+        except Exception as e:  # shown in the assertion below, not lost in a thread
+            got[i] = f"{type(e).__name__}: {e}"
 
     ts = [threading.Thread(target=one, args=(i,)) for i in range(3)]
     for t in ts:

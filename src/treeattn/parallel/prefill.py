@@ -10,7 +10,7 @@ from torch import Tensor
 from ..comm.collectives import all_gather, all_to_all, world
 from ..comm.strategies import STRATEGIES, reduce_states
 from ..ops.attention import _attention
-from ..ops.state import empty_state, merge_into, merge_states_n
+from ..ops.state import empty_state, merge_into
 from ._common import check_window
 
 _MASK_BUDGET = 1 << 24  # elements of the dense causal mask per attention call
@@ -264,9 +264,10 @@ def tree_prefill(
     )
     if strategy == "auto" and p > 1:  # each rank gets only its own queries' states: an all-to-all
         st = torch.cat([out, lse.to(out.dtype).unsqueeze(-1)], -1).unflatten(2, (p, nmax)).movedim(2, 0)
-        st = all_to_all(st, group)  # [p, B, Hq, nmax, Dv + 1]: rank j's partial states of my queries
-        out, lse = merge_states_n(st[..., :-1], st[..., -1])
-        out, lse = out[:, :, :n], lse[:, :, :n]
+        st = all_to_all(st, group)[:, :, :, :n]  # [p, B, Hq, n, Dv + 1]: rank j's partial states of my queries
+        out, lse = st[0, ..., :-1], st[0, ..., -1]  # views into the received buffer: merged in place
+        for j in range(1, p):
+            merge_into(out, lse, st[j, ..., :-1], st[j, ..., -1])
     else:
         out, lse = reduce_states(out, lse, group=group, strategy=strategy)
         out, lse = out[:, :, rank * nmax : rank * nmax + n], lse[:, :, rank * nmax : rank * nmax + n]

@@ -73,7 +73,6 @@ class Engine:
         self.next_slot, self.clock = 0, 0
         self.stats = dict(requests=0, cancelled=0, prompt_tokens=0, cached_tokens=0, completion_tokens=0,
                           cache_entries=0, cache_tokens_per_rank=0)  # fmt: skip
-        self.max_length = getattr(model.config, "max_position_embeddings", None) or (1 << 62)
 
     # -- sizes -----------------------------------------------------------------------
     def per_rank(self, n: int) -> int:
@@ -105,11 +104,13 @@ class Engine:
             slot, self.next_slot = self.next_slot, self.next_slot + 1
         evict = [s for s in self.entries if s != slot] if not self.cache_tokens else []
         if self.cache_tokens:
-            need = self.per_rank(L + max_tokens)
-            for s in sorted((s for s in self.entries if s != slot), key=self.used.__getitem__):
-                if need + sum(self.held(o) for o in self.entries if o != slot and o not in evict) <= self.cache_tokens:
+            others = {s: self.held(s) for s in self.entries if s != slot}
+            total = self.per_rank(L + max_tokens) + sum(others.values())
+            for s in sorted(others, key=self.used.__getitem__):  # least recently used first
+                if total <= self.cache_tokens:
                     break
                 evict.append(s)
+                total -= others[s]
         return slot, keep, new, evict
 
     def serve(self, requests: queue.Queue, stopping: threading.Event,
