@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import inspect
+import itertools
 import json
 import statistics
 import sys
@@ -81,7 +82,7 @@ def instrument(model) -> dict:
     return acc
 
 
-def worker(model_dir, ids, attention, reps, chunk, out):
+def worker(model_dir, ids, attention, reps, chunk, block, out):
     import torch
     import torch.distributed as dist
 
@@ -95,10 +96,11 @@ def worker(model_dir, ids, attention, reps, chunk, out):
     rows = []
     for _ in range(reps + 1):  # the first run warms up
         acc.clear()
+        kw = {} if block is None else {"block": block}
         if "prefill" in inspect.signature(Session).parameters:
-            s = Session(model, prefill=attention, prefill_chunk=chunk)
+            s = Session(model, prefill=attention, prefill_chunk=chunk, **kw)
         else:  # before the prefill option: --attention chose the prefill
-            s = Session(model, attention=attention, prefill_chunk=chunk)
+            s = Session(model, attention=attention, prefill_chunk=chunk, **kw)
         dist.barrier()
         t0 = time.perf_counter()
         s.extend(ids)
@@ -152,7 +154,10 @@ def main() -> None:
     ap.add_argument("--doc", default="/usr/share/common-licenses/GPL-3")
     ap.add_argument("--tokens", type=int, nargs="+", default=[4000, 7000])
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--chunk", type=int, default=1024, help="prefill_chunk (tokens per rank per step)")
+    ap.add_argument("--chunk", type=int, nargs="+", default=[1024], help="prefill_chunk (tokens per rank per step); "
+                    "several: every p = 2 variant runs with each")  # fmt: skip
+    ap.add_argument("--block", type=int, nargs="+", default=[None], help="interleaved placement's block (default: "
+                    "the Session's); several: every p = 2 variant runs with each")  # fmt: skip
     ap.add_argument(
         "--variants",
         nargs="+",
@@ -174,7 +179,7 @@ def main() -> None:
     text_ids = tok(Path(a.doc).read_text(), add_special_tokens=False).input_ids
     for n in a.tokens:
         ids = chat_ids(tok, tok.decode(text_ids[: n - 30]) + "\n\nSummarize this.")
-        print(f"\n### {ids.shape[1]:,} prompt tokens, prefill_chunk {a.chunk}, median of {a.reps} (after a warm-up)\n")
+        print(f"\n### {ids.shape[1]:,} prompt tokens, median of {a.reps} (after a warm-up)\n")
         print("| variant | rank | total s | layers | attention fn | kernel | collectives+wait | attn other | stores "
               "| projections+MLP | outside layers | runs s (rank 0) |")  # fmt: skip
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -185,16 +190,17 @@ def main() -> None:
                       f"{' / '.join(f'{x:.2f}' for x in ts)} |")  # fmt: skip
                 continue
             p, threads, attention = (1, 2, "tree") if v == "p1" else (2, 1, v)  # tree, ring or auto
-            with tempfile.TemporaryDirectory() as tmp:
-                out = str(Path(tmp, "res.json"))
-                launch(worker, p, (d, ids, attention, a.reps, a.chunk, out), threads=threads, timeout=7200)
-                res = json.loads(Path(out).read_text())
-            for r, m, runs in res:
-                name = f"treeattn p={p} {attention}" + (" (2 threads)" if p == 1 else "")
-                name += f", chunk {a.chunk}" if a.chunk != 1024 else ""
-                print(f"| {name} | {r} | {m['total']:.2f} | {m['layers']:.2f} | {m['attention']:.2f} | "
-                      f"{m['kernel']:.2f} | {m['comm']:.2f} | {m['attn_other']:.2f} | {m['stores']:.2f} | "
-                      f"{m['linear']:.2f} | {m['outside']:.2f} | {' / '.join(f'{x:.2f}' for x in runs)} |")  # fmt: skip
+            for chunk, block in itertools.product(a.chunk, a.block) if p > 1 else [(a.chunk[0], a.block[0])]:
+                with tempfile.TemporaryDirectory() as tmp:
+                    out = str(Path(tmp, "res.json"))
+                    launch(worker, p, (d, ids, attention, a.reps, chunk, block, out), threads=threads, timeout=7200)
+                    res = json.loads(Path(out).read_text())
+                for r, m, runs in res:
+                    name = f"treeattn p={p} {attention}" + (" (2 threads)" if p == 1 else "") + f", chunk {chunk}"
+                    name += f", block {block}" if block is not None and p > 1 else ""
+                    print(f"| {name} | {r} | {m['total']:.2f} | {m['layers']:.2f} | {m['attention']:.2f} | "
+                          f"{m['kernel']:.2f} | {m['comm']:.2f} | {m['attn_other']:.2f} | {m['stores']:.2f} | "
+                          f"{m['linear']:.2f} | {m['outside']:.2f} | {' / '.join(f'{x:.2f}' for x in runs)} |")  # fmt: skip
 
 
 if __name__ == "__main__":

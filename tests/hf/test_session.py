@@ -125,15 +125,17 @@ def random_tree(rng: random.Random, T: int) -> list[int]:
 
 def run_case(kind, placement, attention, seed, ops, B=1, ragged=False, chunk=4, max_step=6, prefill=None):
     from treeattn.hf import Session
+    from treeattn.hf._steps import auto_block
 
     p = dist.get_world_size()
     rng = random.Random(seed)
     m = tiny64(kind)
     V = m.config.vocab_size
     prefill = prefill or attention  # by default the prefill of the same kind as the decoding
-    s = Session(m, placement=placement, attention=attention, prefill_chunk=chunk, prefill=prefill)
+    block = rng.choice([None, 1, 3])  # None: chosen by the first call's length
+    s = Session(m, placement=placement, attention=attention, prefill_chunk=chunk, prefill=prefill, block=block)
     ref = Reference(m, placement, p)
-    case = f"p={p} {kind} {placement} {attention} prefill={prefill} seed={seed}"
+    case = f"p={p} {kind} {placement} {attention} prefill={prefill} block={block} seed={seed}"
     pending = None  # (tokens per sequence, parents) of the last step
 
     def toks(T):
@@ -147,6 +149,8 @@ def run_case(kind, placement, attention, seed, ops, B=1, ragged=False, chunk=4, 
     ids = torch.tensor([r + [0] * (L - len(r)) for r in rows])
     mask = torch.tensor([[1] * len(r) + [0] * (L - len(r)) for r in rows])
     out = s.extend(ids, attention_mask=mask if ragged else None)
+    ref.block = s.cache.placement.block
+    assert ref.block == (block or auto_block(L, p)), case
     ref.extend(rows)
     for b in range(B):
         assert (out[b] - ref.logits(ref.ids[b])).abs().max() <= ref.tol, f"{case}: first extend"
@@ -327,3 +331,11 @@ def bad_calls_worker():
 @pytest.mark.parametrize("p", [1, 3])
 def test_session_bad_calls_fail_alike_and_change_nothing(p):
     launch(bad_calls_worker, p, timeout=300)
+
+
+def test_auto_block():
+    from treeattn.hf._steps import auto_block
+
+    # 1 for p = 1 and short prompts; a power of two with at least 4 blocks per rank, at most 256
+    assert [auto_block(T, 2) for T in (1, 7, 8, 16, 40, 1500, 2048, 4006, 10**6)] == [1, 1, 1, 2, 4, 128, 256, 256, 256]
+    assert auto_block(10**6, 1) == 1 and auto_block(100, 3) == 8

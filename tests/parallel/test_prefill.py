@@ -51,3 +51,26 @@ def test_ring_prefill_chunks_query_rows(monkeypatch):
     out = P.ring_prefill(q, k, v, pos)
     ro, _ = reference(q, k, v, causal=True)
     assert max_err(out, ro) < 1e-5
+
+
+@pytest.mark.parametrize("block,rows", [(64, 1280), (4, 128)])
+def test_causal_states_block_runs(block, rows):
+    """One rank's queries against the other rank's keys under a block placement: the rows fall
+    into one run per block, given to the fused kernel as whole blocks when the runs are few or
+    long (block 64: 20 runs of 64 rows), else to the per-row path (block 4: 32 runs); both exact."""
+    import treeattn.parallel.prefill as P
+
+    L = 2 * rows
+    pl = Placement("interleaved", 2, block)
+    qpos, kpos = pl.prompt_positions(1, L), pl.prompt_positions(0, L)
+    g = torch.Generator().manual_seed(block)
+    q, k, v = (torch.randn(1, h, L, 16, generator=g) for h in (4, 2, 2))
+    qs, ks, vs = q[:, :, qpos], k[:, :, kpos], v[:, :, kpos]
+    out, lse = P.causal_states(qs, ks, vs, qpos, kpos)
+    blocks = P._causal_blocks(qs, ks, vs, torch.searchsorted(kpos, qpos, right=True), None, None, "auto")
+    assert (blocks is not None) == (block == 64)
+    vis = (kpos[None, :] <= qpos[:, None])[None]
+    ro, rl = reference(qs, ks, vs, mask=vis)
+    po, pl_ = naive_attention(qs, ks, vs, mask=vis)
+    assert max_err(out, ro) <= 2 * max_err(po, ro) + 1e-6
+    assert max_err(lse, rl) <= 2 * max_err(pl_, rl) + 1e-5

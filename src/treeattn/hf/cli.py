@@ -360,9 +360,8 @@ def add_parser(sub) -> None:
         help="how tree attention merges across ranks (default auto: the cost model picks)",
     )
     g.add_argument("--placement", choices=["interleaved", "contiguous"], default="interleaved")
-    g.add_argument(
-        "--block", type=at_least(1), default=1, help="tokens per placement block of the sharded KV cache (default 1)"
-    )
+    g.add_argument("--block", type=at_least(1), default=None,
+                   help="tokens per placement block of the KV cache (default: by the prompt's length, up to 256)")  # fmt: skip
     g.add_argument(
         "--prefill-chunk", type=at_least(0), default=1024, help="prompt tokens per rank per prefill step (0: all)"
     )

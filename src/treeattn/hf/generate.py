@@ -80,7 +80,7 @@ def generate(
     attention_mask: Tensor | None = None,
     group: dist.ProcessGroup | None = None,
     placement: str = "interleaved",
-    block: int = 1,
+    block: int | None = None,
     attention: str = "tree",
     strategy: str = "auto",
     prefill: str = "auto",
@@ -126,7 +126,8 @@ def generate(
             (every prompt at least 1 token). ``L + max_new_tokens`` must not exceed the
             model's ``max_position_embeddings``.
         max_new_tokens: the most tokens to generate per sequence.
-        placement, block: KV placement (see :class:`treeattn.ShardedKVCache`).
+        placement, block: KV placement (see :class:`treeattn.ShardedKVCache`; block None: as
+            :class:`treeattn.hf.Session`).
         do_sample, temperature, top_k, top_p, typical_p, eta_cutoff: sampling through
             transformers' own logits warpers; one generator seeded with ``seed`` on every
             rank, so every rank draws the same token.

@@ -31,11 +31,10 @@ class Session:
     a long document is prefilled once, then questions, answers and speculative drafts are
     appended, verified and rewound without running the document again.
 
-    Create it on every rank with the same arguments and make the same calls in the same
-    order on every rank (every call is collective). Each call checks its arguments and
-    the ranks agree on them (one small int64 all-gather, nothing pickled) before any other
-    collective; a bad call raises the same ``ValueError`` on every rank and leaves the cache
-    and the history exactly as they were.
+    Create it on every rank with the same arguments and make the same calls in the same order
+    on every rank (every call is collective). Each call checks its arguments and the ranks
+    agree on them (one small int64 all-gather, nothing pickled) before any other collective;
+    a bad call raises the same ``ValueError`` on every rank and changes nothing.
 
     Tokens live on the rank and local slot that ``placement`` gives their global position
     (``"interleaved"``: position ``i`` on rank ``(i // block) % p``; ``"contiguous"``: the
@@ -49,7 +48,9 @@ class Session:
             implementation is switched to ``"treeattn"`` during each call only.
         group: the sequence-parallel process group (default: the world; without
             torch.distributed initialised, one process).
-        placement, block: KV placement (see :class:`treeattn.ShardedKVCache`).
+        placement, block: KV placement (see :class:`treeattn.ShardedKVCache`). None: from the
+            first call's ``T`` tokens, up to 256 with 4 blocks per rank (1 for short prompts);
+            the prefill then sees the other ranks' keys as whole blocks, not triangles.
         attention: decoding by ``"tree"`` (Tree Attention) or ``"ring"`` (Ring Attention).
         prefill: how :meth:`extend` prefills a block, chunk by chunk: ``"tree"`` (queries
             gathered, states exchanged), ``"ring"`` (K/V passed around, overlapped with the
@@ -75,7 +76,7 @@ class Session:
         prefill_chunk: int | None = 1024,
         max_length: int | None = None,
         *,
-        block: int = 1,
+        block: int | None = None,
         prefill: str = "auto",
     ) -> None:
         self.rank, self.p = world(group)
@@ -91,8 +92,8 @@ class Session:
                 raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
             if prefill_chunk is not None and (type(prefill_chunk) is not int or prefill_chunk < 1):
                 raise ValueError(f"prefill_chunk must be an int >= 1 or None, got {prefill_chunk!r}")
-            if type(block) is not int or block < 1:
-                raise ValueError(f"block must be an int >= 1, got {block!r}")
+            if block is not None and (type(block) is not int or block < 1):
+                raise ValueError(f"block must be an int >= 1 or None, got {block!r}")
             why = S.model_problem(model)
             if why is not None:
                 raise ValueError(why)
@@ -113,7 +114,7 @@ class Session:
             "placement": PLACEMENTS.index(placement) if placement in PLACEMENTS else -1,
             "strategy": STRATEGIES.index(strategy) if strategy in STRATEGIES else -1,
             "prefill_chunk": prefill_chunk or 0 if ok else -1,
-            "block": block if ok else -1,
+            "block": block or 0 if ok else -1,
             "max_length": limit,
             "num_hidden_layers": cfg.num_hidden_layers if ok else -1,
             "vocab_size": cfg.vocab_size if ok else -1,
@@ -230,7 +231,7 @@ class Session:
         t0 = time.perf_counter()
         self._pending = None
         B, T = ids.shape
-        self._ensure_cache(B)
+        self._ensure_cache(B, T)
         before = self._lens.clone()
         try:
             with self._treeattn():
@@ -294,7 +295,7 @@ class Session:
             raise ValueError(err)
         t0 = time.perf_counter()
         self._pending = None
-        self._ensure_cache(tokens.shape[0])
+        self._ensure_cache(*tokens.shape)
         with self._treeattn():
             logits, hidden = S.tree_step(self, tokens, tree)
         self._account("step", tokens.numel(), t0)
@@ -366,14 +367,14 @@ class Session:
         }
         agree(fields, err, group=self.group, show={"call": dict(enumerate(_OPS))})
 
-    def _ensure_cache(self, B: int) -> None:
+    def _ensure_cache(self, B: int, T: int) -> None:
         if self.cache is not None and (self.batch == B or len(self)):
             return
         cfg = self.model.config
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.cache = ShardedKVCache(cfg.num_hidden_layers, B, cfg.num_key_value_heads, hd, dtype=self.dtype,
                                     device=self.device, group=self.group, placement=self.placement,
-                                    block=self.block)  # fmt: skip
+                                    block=self.block or S.auto_block(T, self.p))  # fmt: skip
         self._tc = TreeAttnCache(self.cache)
         self._ids = torch.zeros(B, 0, dtype=torch.int64)
         self._lens = torch.zeros(B, dtype=torch.int64)

@@ -100,11 +100,11 @@ def _causal_blocks(q, k, v, end: Tensor, scale, softcap, backend) -> tuple[Tenso
     window) as whole blocks for the fused kernel instead of per-row bounds: per run of rows,
     the keys every row sees in one unmasked call, then the causal triangle (one key more per
     row) with the kernel's own causal skipping, merged. None when the rows do not fall into a
-    few such runs (the per-row path then runs)."""
+    few (or long) such runs (the per-row path then runs)."""
     runs = _runs(end.tolist())
-    if not runs or len(runs) > 16:
-        return None
     B, Hq, T, D = q.shape
+    if not runs or len(runs) > max(16, T // 64):  # many short runs: the per-row path
+        return None
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = lse = None
     for i, j, tri in runs:

@@ -142,7 +142,8 @@ def add_parser(sub) -> None:
                    help="how prompts are prefilled across ranks (default auto: per chunk, fewer bytes)")  # fmt: skip
     g.add_argument("--strategy", choices=STRATEGIES, default="auto")
     g.add_argument("--placement", choices=["interleaved", "contiguous"], default="interleaved")
-    g.add_argument("--block", type=at_least(1), default=1, help="tokens per placement block (default 1)")
+    g.add_argument("--block", type=at_least(1), default=None,
+                   help="tokens per placement block (default: by each new prompt's length, up to 256)")  # fmt: skip
     g.add_argument("--prefill-chunk", type=at_least(0), default=1024, help="prompt tokens per rank per step (0: all)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     g.add_argument("--seed", type=int, default=0, help="weights of a --preset")

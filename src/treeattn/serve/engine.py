@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.collectives import CollectiveError, broadcast, world
+from ..hf._steps import auto_block
 from ..hf.session import Session
 
 IDLE, RUN, STOP = 0, 1, 2
@@ -75,9 +76,10 @@ class Engine:
                           cache_entries=0, cache_tokens_per_rank=0)  # fmt: skip
 
     # -- sizes -----------------------------------------------------------------------
-    def per_rank(self, n: int) -> int:
-        """KV tokens per rank a sequence of ``n`` tokens may need (an upper bound)."""
-        b = self.kw.get("block", 1)
+    def per_rank(self, n: int, block: int | None = None) -> int:
+        """KV tokens per rank a sequence of ``n`` tokens may need (an upper bound) in placement
+        blocks of ``block`` tokens (default: what a new entry of ``n`` tokens would get)."""
+        b = block or self.kw.get("block") or auto_block(n, self.p)
         return math.ceil(n / (self.p * b)) * b + b
 
     def held(self, slot: int) -> int:
@@ -105,7 +107,8 @@ class Engine:
         evict = [s for s in self.entries if s != slot] if not self.cache_tokens else []
         if self.cache_tokens:
             others = {s: self.held(s) for s in self.entries if s != slot}
-            total = self.per_rank(L + max_tokens) + sum(others.values())
+            c = None if new else self.entries[slot].cache
+            total = self.per_rank(L + max_tokens, c.placement.block if c is not None else None) + sum(others.values())
             for s in sorted(others, key=self.used.__getitem__):  # least recently used first
                 if total <= self.cache_tokens:
                     break
