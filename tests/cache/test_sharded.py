@@ -26,10 +26,24 @@ def test_placement_partitions_and_stays_balanced(kind, p, block, L, steps):
     assert counts.tolist() == [[len(x) for x in pos]]
     gap = block if kind == "interleaved" else 1
     assert int(counts.max() - counts.min()) <= gap
+    assert int(counts.max()) <= pl.max_per_rank(L)
     for _ in range(steps):  # decoded tokens keep the gap within one block
         owner = pl.decode_owner(counts.sum(1), counts)
         counts[0, owner[0]] += 1
         assert int(counts.max() - counts.min()) <= max(gap, block)
+        assert int(counts.max()) <= pl.max_per_rank(int(counts.sum()))
+
+
+def test_growth_stops_at_slot_limit():
+    """Decoding past the capacity doubles it, but not past slot_limit; a larger need still grows."""
+    c = ShardedKVCache(1, 1, 1, 2)
+    c.begin_extend(torch.tensor([40]), 40)
+    assert c.cap == 40
+    c.slot_limit = 50
+    c.place(1)
+    assert c.cap == 50  # not 80
+    c.place(10)
+    assert c.cap == 51 and c.memory_bytes()["allocated"] == 51 * 2 * 2 * 4
 
 
 def test_placement_errors():

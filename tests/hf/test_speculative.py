@@ -78,6 +78,7 @@ def spec_worker(seed0):
         s = Session(m, placement=placement, attention=attention, prefill_chunk=5)
         R = Reference(m, placement, p)
         logits = s.extend(ids)
+        R.block = s.cache.placement.block  # the block the prompt's length chose
         R.extend(ids.tolist())
         width = 1 + i % 2
         sp = Speculator(Oracle(ids.shape[1], ref[0].tolist(), V, seed0 + i), 4, width, sample=False, probs=None,

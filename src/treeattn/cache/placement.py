@@ -34,6 +34,11 @@ class Placement:
         if self.p < 1 or self.block < 1:
             raise ValueError(f"need p >= 1 and block >= 1, got p={self.p}, block={self.block}")
 
+    def max_per_rank(self, n: int) -> int:
+        """An upper bound on the tokens one rank holds of a sequence of ``n`` tokens (unpadded)."""
+        b = self.block if self.kind == "interleaved" else 1
+        return -(-n // (self.p * b)) * b + b
+
     def prompt_positions(self, rank: int, L: int) -> torch.Tensor:
         """Increasing int64 positions in ``[0, L)`` held by ``rank`` after prefill."""
         if self.kind == "contiguous":

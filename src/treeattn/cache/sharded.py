@@ -19,7 +19,8 @@ class ShardedKVCache:
 
     Slots ``0 .. kv_lens[b] - 1`` of sequence ``b`` hold its valid local tokens in increasing
     position order (``positions[b, slot]``). Capacity grows geometrically (amortised O(1)
-    per token, never a full copy per step). Metadata (counts per rank, positions) lives on
+    per token, never a full copy per step) but not past ``slot_limit`` (when set: the most
+    slots this rank is expected to need; a soft cap, a larger need still grows to it). Metadata (counts per rank, positions) lives on
     the host and is derived from prompt lengths, so the per-step path does no host sync.
 
     Created collectively by every rank of ``group``; the ranks agree on its metadata once
@@ -90,6 +91,7 @@ class ShardedKVCache:
         self._uniform = True  # every sequence has the same length and layout
         self._step_rows: Tensor | None = None
         self._step_slots: Tensor | None = None
+        self.slot_limit: int | None = None
         self._grow(max(capacity, 1))
 
     # -- metadata --------------------------------------------------------------------
@@ -111,7 +113,8 @@ class ShardedKVCache:
     def _grow(self, need: int) -> None:
         if need <= self.cap:
             return
-        cap = max(need, 2 * self.cap, 16)
+        cap = max(2 * self.cap, 16)
+        cap = max(need, min(cap, self.slot_limit) if self.slot_limit else cap)
         shape = (self.B, self.Hkv, cap)
         for i in range(self.num_layers):
             k = empty_huge(*shape, self.D, dtype=self.dtype, device=self.device)  # streamed every step

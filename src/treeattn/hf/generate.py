@@ -284,6 +284,8 @@ def generate(
         t0 = time.perf_counter()
         # the arguments were agreed above; the ids of every later call come from identical computation
         logits = session.extend(input_ids, attention_mask, check=False)
+        c = session.cache  # decoding grows the cache to what this call can commit, not twice the prompt's
+        c.slot_limit = c.placement.max_per_rank(input_ids.shape[1] + max_new_tokens + (num_draft_tokens or 0))
         t_pre = session.last_call["seconds"]
         if contrast:  # the chosen token is committed as it is chosen
             last = logits

@@ -375,9 +375,9 @@ class Session:
         self.cache = ShardedKVCache(cfg.num_hidden_layers, B, cfg.num_key_value_heads, hd, dtype=self.dtype,
                                     device=self.device, group=self.group, placement=self.placement,
                                     block=self.block or S.auto_block(T, self.p))  # fmt: skip
+        self.cache.slot_limit = self.cache.placement.max_per_rank(self.max_length)
         self._tc = TreeAttnCache(self.cache)
-        self._ids = torch.zeros(B, 0, dtype=torch.int64)
-        self._lens = torch.zeros(B, dtype=torch.int64)
+        self._ids, self._lens = torch.zeros(B, 0, dtype=torch.int64), torch.zeros(B, dtype=torch.int64)
 
     def _grow_ids(self, need: int) -> None:
         if need > self._ids.shape[1]:

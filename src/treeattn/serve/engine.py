@@ -10,7 +10,6 @@ prefix. Nothing here knows about HTTP.
 
 from __future__ import annotations
 
-import math
 import queue
 import random
 import threading
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..cache.placement import Placement
 from ..comm.collectives import CollectiveError, broadcast, world
 from ..hf._steps import auto_block
 from ..hf.session import Session
@@ -80,7 +80,7 @@ class Engine:
         """KV tokens per rank a sequence of ``n`` tokens may need (an upper bound) in placement
         blocks of ``block`` tokens (default: what a new entry of ``n`` tokens would get)."""
         b = block or self.kw.get("block") or auto_block(n, self.p)
-        return math.ceil(n / (self.p * b)) * b + b
+        return Placement(self.kw.get("placement", "interleaved"), self.p, b).max_per_rank(n)
 
     def held(self, slot: int) -> int:
         s = self.entries[slot]
