@@ -206,6 +206,7 @@ def _check_fit(a, cfg, L: int, new: int, batch: int, local_ranks: int) -> None:
 
 
 def worker(a: argparse.Namespace, job: Job | None = None) -> None:
+    from ._steps import auto_block
     from .generate import generate
 
     rank, p = dist.get_rank(), dist.get_world_size()
@@ -221,7 +222,7 @@ def worker(a: argparse.Namespace, job: Job | None = None) -> None:
     what = a.model or a.preset
     if rank == 0:
         say(f"model {what}, {a.dtype}, p={p}, prompt {tuple(ids.shape)}, attention={a.attention}, "
-            f"prefill={a.prefill}, placement={a.placement}")  # fmt: skip
+            f"prefill={a.prefill}, placement={a.placement}, block={a.block or auto_block(ids.shape[1], p)}")  # fmt: skip
         for n in job.notes:
             say(f"note: {n}")
     stream = rank == 0 and tok is not None and job.has_tokenizer and ids.shape[0] == 1 and not a.no_stream
