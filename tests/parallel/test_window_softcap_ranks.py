@@ -170,6 +170,7 @@ def prefill_worker() -> None:
         close(out, lse, ref_args, f"{what} ring")
         out, lse = tree_prefill(q[:, :, mine], k[:, :, mine], v[:, :, mine], pos, mine, **kw)
         close(out, lse, ref_args, f"{what} tree")
+        assert out.is_contiguous() and lse.is_contiguous(), what  # not views into the exchange buffer
         # a chunk of a chunked prefill: queries at positions [lo, hi), keys [0, hi) stored
         lo, hi = L // 2, L // 2 + 9
         qp = [x[(x >= lo) & (x < hi)] for x in pos]

@@ -35,9 +35,12 @@ class Placement:
             raise ValueError(f"need p >= 1 and block >= 1, got p={self.p}, block={self.block}")
 
     def max_per_rank(self, n: int) -> int:
-        """An upper bound on the tokens one rank holds of a sequence of ``n`` tokens (unpadded)."""
-        b = self.block if self.kind == "interleaved" else 1
-        return -(-n // (self.p * b)) * b + b
+        """The most tokens one rank holds of an unpadded sequence of ``n`` tokens: exact for
+        ``interleaved``; for ``contiguous`` one more than the even share (a rewind can leave a
+        rank above it until later tokens even the ranks out)."""
+        if self.kind == "interleaved":
+            return -(-n // (self.p * self.block)) * self.block
+        return -(-n // self.p) + 1
 
     def prompt_positions(self, rank: int, L: int) -> torch.Tensor:
         """Increasing int64 positions in ``[0, L)`` held by ``rank`` after prefill."""

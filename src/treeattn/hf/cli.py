@@ -219,10 +219,10 @@ def worker(a: argparse.Namespace, job: Job | None = None) -> None:
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(dev)
         model, ids = model.to(dev), ids.to(dev)
-    what = a.model or a.preset
     if rank == 0:
-        say(f"model {what}, {a.dtype}, p={p}, prompt {tuple(ids.shape)}, attention={a.attention}, "
-            f"prefill={a.prefill}, placement={a.placement}, block={a.block or auto_block(ids.shape[1], p)}")  # fmt: skip
+        say(f"model {a.model or a.preset}, {a.dtype}, p={p}, prompt {tuple(ids.shape)}, attention={a.attention}, "
+            f"prefill={a.prefill}, placement={a.placement}"
+            + (f", block={a.block or auto_block(ids.shape[1], p)}" if a.placement == "interleaved" else ""))  # fmt: skip
         for n in job.notes:
             say(f"note: {n}")
     stream = rank == 0 and tok is not None and job.has_tokenizer and ids.shape[0] == 1 and not a.no_stream

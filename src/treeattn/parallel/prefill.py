@@ -268,6 +268,7 @@ def tree_prefill(
         out, lse = st[0, ..., :-1], st[0, ..., -1]  # views into the received buffer: merged in place
         for j in range(1, p):
             merge_into(out, lse, st[j, ..., :-1], st[j, ..., -1])
+        out, lse = out.contiguous(), lse.contiguous()  # not views that keep the p-times buffer
     else:
         out, lse = reduce_states(out, lse, group=group, strategy=strategy)
         out, lse = out[:, :, rank * nmax : rank * nmax + n], lse[:, :, rank * nmax : rank * nmax + n]
