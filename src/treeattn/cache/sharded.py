@@ -20,8 +20,9 @@ class ShardedKVCache:
     Slots ``0 .. kv_lens[b] - 1`` of sequence ``b`` hold its valid local tokens in increasing
     position order (``positions[b, slot]``). Capacity grows geometrically (amortised O(1)
     per token, never a full copy per step) but not past ``slot_limit`` (when set: the most
-    slots this rank is expected to need; a soft cap, a larger need still grows to it). Metadata (counts per rank, positions) lives on
-    the host and is derived from prompt lengths, so the per-step path does no host sync.
+    slots this rank is expected to need; a soft cap, a larger need still grows to it).
+    Metadata (counts per rank, positions) lives on the host and is derived from prompt
+    lengths, so the per-step path does no host sync.
 
     Created collectively by every rank of ``group``; the ranks agree on its metadata once
     (one small all-gather), so later steps need no validation.
