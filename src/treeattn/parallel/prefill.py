@@ -9,7 +9,7 @@ from torch import Tensor
 
 from ..comm.collectives import all_gather, all_to_all, world
 from ..comm.strategies import STRATEGIES, reduce_states
-from ..ops.attention import _attention
+from ..ops.attention import _attention, all_finite
 from ..ops.state import empty_state, merge_into
 from ._common import check_window
 
@@ -132,15 +132,13 @@ def _causal_blocks(q, k, v, end: Tensor, scale, softcap, backend) -> tuple[Tenso
 
 def _triangle(q, k, v, scale, softcap, backend) -> tuple[Tensor, Tensor]:
     """Square causal block (query row i sees keys 0..i): PyTorch's fused CPU flash kernel with
-    ``is_causal`` (it skips the blocks above the diagonal) where it applies, else the generic path."""
+    ``is_causal`` (it skips the blocks above the diagonal; grouped K/V heads natively, no copy)
+    where it applies, else the generic path."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     fused = (q.device.type == "cpu" and backend in ("auto", "flash_cpu") and softcap is None
-             and k.shape[3] == v.shape[3] and bool(torch.isfinite(k).all() and torch.isfinite(v).all()))  # fmt: skip
+             and k.shape[3] == v.shape[3] and all_finite(k, v))  # fmt: skip
     if not fused:
         return _attention(q, k, v, scale=scale, softcap=softcap, backend=backend, causal=True, keep_fp32=True)
-    G = q.shape[1] // k.shape[1]
-    if G > 1:
-        k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
     s = q.shape[3] ** -0.5 if scale is None else float(scale)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True, scale=s)
     return out.to(acc), lse.to(acc)
