@@ -11,10 +11,13 @@ The machine is shared and its speed drifts by several percent within minutes, so
 treeattn run is paired with a transformers run just before it: a separate process (2 threads,
 its own copy of the model, started once per prompt) runs the plain model (sdpa) on request while
 the ranks wait at a barrier, then every rank runs the extend while that process waits (the two
-never run at the same time). The ratio column is the median of those per-pair ratios; the other
-columns are medians over ``--reps`` runs (after a warm-up pair).
+never run at the same time; after every extend all of them idle ``--gap`` seconds, so nothing of
+one run lingers into the next baseline run). The ratio column is the median of those per-pair
+ratios; the other columns are medians over ``--reps`` runs (after a warm-up pair). The ring's
+*wait* is its blocking on a peer's block (gloo's receive, or the shared-memory ready message).
 
     python benchmarks/prefill.py --doc /usr/share/common-licenses/GPL-3 --tokens 4000 7000
+    TREEATTN_SHM=0 python benchmarks/prefill.py ...   # the ring's blocks through gloo, not /dev/shm
 """
 
 from __future__ import annotations
@@ -86,6 +89,26 @@ def instrument(model) -> dict:
                 acc["wait"] += time.perf_counter() - t0
 
     R.sendrecv = lambda *a, **kw: [Timed(r) for r in sendrecv(*a, **kw)]
+    try:
+        from treeattn.comm import shm as S
+    except ImportError:  # before the shared-memory exchange
+        S = None
+    if S is not None:  # the ring over shared memory: its wait is for a peer's ready message
+        blocks = S._Shm._blocks
+
+        def timed_blocks(*a, **kw):
+            it = blocks(*a, **kw)
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    x = next(it)
+                except StopIteration:
+                    return
+                finally:
+                    acc["wait"] += time.perf_counter() - t0
+                yield x
+
+        S._Shm._blocks = timed_blocks
     _timed(ShardedKVCache, "store_prefill", acc, "stores")
     fn = A.treeattn_attention
 
@@ -105,7 +128,7 @@ def instrument(model) -> dict:
     return acc
 
 
-def worker(model_dir, ids, attention, reps, chunk, block, fifos, out):
+def worker(model_dir, ids, attention, reps, chunk, block, fifos, out, gap):
     import torch
     import torch.distributed as dist
 
@@ -136,6 +159,8 @@ def worker(model_dir, ids, attention, reps, chunk, block, fifos, out):
         s.extend(ids)
         total = time.perf_counter() - t0
         del s
+        dist.barrier()  # every rank done (and its session freed) before the next baseline run
+        time.sleep(gap)  # and idle: nothing of this run lingers into the next baseline run
         ring = acc["ring_pass"]
         kernel = acc["kernel"]
         comm = acc["collectives"] + ring
@@ -195,6 +220,8 @@ def main() -> None:
                     "several: every variant runs with each")  # fmt: skip
     ap.add_argument("--block", type=int, nargs="+", default=[None], help="interleaved placement's block (default: "
                     "the Session's); several: every p = 2 variant runs with each")  # fmt: skip
+    ap.add_argument("--gap", type=float, default=1.0, help="seconds every process idles between a treeattn run "
+                    "and the next transformers run")  # fmt: skip
     ap.add_argument(
         "--variants",
         nargs="+",
@@ -231,7 +258,7 @@ def main() -> None:
                     server = mp.get_context("spawn").Process(target=transformers_server, args=(d, ids, fifos, 2))
                     server.start()
                     try:
-                        launch(worker, p, (d, ids, attention, a.reps, chunk, block, fifos, out), threads=2 // p,
+                        launch(worker, p, (d, ids, attention, a.reps, chunk, block, fifos, out, a.gap), threads=2 // p,
                                timeout=7200)  # fmt: skip
                     finally:  # it waits for a request (or never loaded): nothing to lose
                         server.kill()

@@ -196,7 +196,7 @@ def ring_prefill(
         else:
             state[:] = o, l
 
-    ring_pass(k, v, [len(x) for x in positions], group, visit)
+    ring_pass(k, v, [len(x) for x in positions], group, visit, shm=True)
     out, lse = state
     out = out.to(q.dtype)
     return (out, lse) if return_lse else out

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..comm.collectives import all_gather, sendrecv, world
+from ..comm.shm import shm_exchange
 from ..ops.attention import _attention
 from ..ops.state import merge_states, merge_states_n
 from ._common import validate_decode
@@ -37,19 +38,32 @@ def _buffers(numel: int, like: Tensor) -> list[Tensor]:
     return bufs
 
 
-def ring_pass(k: Tensor, v: Tensor, sizes: list[int], group, visit: Callable[[int, Tensor, Tensor], None]) -> None:
-    """Call ``visit(src, k_src, v_src)`` for every rank's block (own first), moving the blocks
-    one hop per step; ``sizes[j]`` is rank j's block length (dim 2).
+def ring_pass(
+    k: Tensor, v: Tensor, sizes: list[int], group, visit: Callable[[int, Tensor, Tensor], None], *, shm: bool = False
+) -> None:
+    """Call ``visit(src, k_src, v_src)`` for every rank's block (own first, then rank - 1,
+    rank - 2, ...), moving the blocks one hop per step; ``sizes[j]`` is rank j's block length
+    (dim 2).
 
     Each hop sends the block this rank holds as two messages (K and V, no packing copy) and
     receives the next into one of two persistent buffers (no allocation per step, like a
     preallocated ring); ``visit`` of the block held (the own block at the first hop) runs
-    while the transfer is in flight.
+    while the transfer is in flight. With ``shm`` and CPU blocks on ranks of one host, the
+    blocks go through shared memory instead (:mod:`treeattn.comm.shm`: each rank publishes
+    its block once, peers read it in place), same visits in the same order.
     """
     rank, p = world(group)
     if p == 1:
         visit(rank, k, v)
         return
+    if shm and k.device.type == "cpu":
+        ex = shm_exchange(group)
+        if ex is not None and ex.fits(k, v, sizes):
+            blocks = ex.exchange(k, v, sizes)
+            visit(rank, k, v)  # while the peers publish theirs
+            for src, kb, vb in blocks:
+                visit(src, kb, vb)
+            return
     B, H, _, D = k.shape
     Dv = v.shape[3]
     bufs = _buffers(max(1, max(sizes)) * B * H * (D + Dv), k)
