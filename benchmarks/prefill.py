@@ -8,13 +8,14 @@ RoPE) and what lies outside the layers (embedding, final norm, LM head of the la
 planning). Not a test: it prints what it measured.
 
 The machine is shared and its speed drifts by several percent within minutes, so every
-treeattn run is paired with a transformers run just before it: a separate process (2 threads,
-its own copy of the model, started once per prompt) runs the plain model (sdpa) on request while
-the ranks wait at a barrier, then every rank runs the extend while that process waits (the two
-never run at the same time; after every extend all of them idle ``--gap`` seconds, so nothing of
-one run lingers into the next baseline run). The ratio column is the median of those per-pair
-ratios; the other columns are medians over ``--reps`` runs (after a warm-up pair). The ring's
-*wait* is its blocking on a peer's block (gloo's receive, or the shared-memory ready message).
+treeattn run is paired with transformers runs just before it: a separate process (2 threads,
+its own copy of the model, started once per prompt) runs the plain model (sdpa)
+``--baseline-runs`` times in a row on request while the ranks wait at a barrier, then every rank
+runs the extend while that process waits (the two never run at the same time; after every extend
+all of them idle ``--gap`` seconds). A pair's ratio is treeattn's time to first token (the
+slowest rank) over transformers' best run of the pair; the ratio column is the median of those,
+the other columns are medians over ``--reps`` pairs (after a warm-up pair). The ring's *wait* is
+its blocking on a peer's block (gloo's receive, or the shared-memory ready message).
 
     python benchmarks/prefill.py --doc /usr/share/common-licenses/GPL-3 --tokens 4000 7000
     TREEATTN_SHM=0 python benchmarks/prefill.py ...   # the ring's blocks through gloo, not /dev/shm
@@ -128,7 +129,7 @@ def instrument(model) -> dict:
     return acc
 
 
-def worker(model_dir, ids, attention, reps, chunk, block, fifos, out, gap):
+def worker(model_dir, ids, attention, reps, chunk, block, fifos, out, gap, nbase):
     import torch
     import torch.distributed as dist
 
@@ -141,12 +142,12 @@ def worker(model_dir, ids, attention, reps, chunk, block, fifos, out, gap):
     acc = instrument(model)
     rows = []
     for _ in range(reps + 1):  # the first pair warms up
-        base = 0.0
+        base = [0.0]
         if dist.get_rank() == 0:  # the paired baseline: one request to the transformers process
             with open(fifos[0], "w") as f:
-                f.write("go\n")
+                f.write(f"{nbase}\n")
             with open(fifos[1]) as f:
-                base = float(f.readline())
+                base = [float(x) for x in f.readline().split()]
         dist.barrier()
         acc.clear()
         kw = {} if block is None else {"block": block}
@@ -168,7 +169,8 @@ def worker(model_dir, ids, attention, reps, chunk, block, fifos, out, gap):
         rows.append(
             dict(
                 total=total,
-                hf=base,
+                hf=min(base),  # transformers' best of its runs of the pair
+                hf_all=base,
                 layers=acc["layers"],
                 attention=acc["attention"],
                 kernel=kernel,
@@ -181,20 +183,21 @@ def worker(model_dir, ids, attention, reps, chunk, block, fifos, out, gap):
             )
         )
     rows = rows[1:]
-    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "hf_all"}
     t = torch.tensor([med[k] for k in sorted(med)] + [r["total"] for r in rows], dtype=torch.float64)
     ts = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(ts, t)
     if dist.get_rank() == 0:  # JSON through a file: nothing is unpickled from a rank
         n = len(med)
         res = [[r, dict(zip(sorted(med), x[:n].tolist(), strict=True)), x[n:].tolist()] for r, x in enumerate(ts)]
-        Path(out).write_text(json.dumps(dict(ranks=res, hf=[r["hf"] for r in rows])))
+        Path(out).write_text(json.dumps(dict(ranks=res, hf=[r.pop("hf_all") for r in rows])))
 
 
 def transformers_server(model_dir, ids, fifos, threads) -> None:
-    """The paired baseline, in its own process: per line read from ``fifos[0]``, one plain
-    transformers forward (the model's own attention, sdpa) over ``ids`` with ``logits_to_keep=1``
-    as generate's prefill; its seconds are written to ``fifos[1]``. Killed when done."""
+    """The paired baseline, in its own process: per line ``n`` read from ``fifos[0]``, ``n`` plain
+    transformers forwards in a row (the model's own attention, sdpa) over ``ids`` with
+    ``logits_to_keep=1`` as generate's prefill; their seconds are written to ``fifos[1]``, one
+    line. Killed when done."""
     import torch
 
     from treeattn.hf.models import load_model
@@ -204,11 +207,14 @@ def transformers_server(model_dir, ids, fifos, threads) -> None:
     with torch.no_grad():
         while True:
             with open(fifos[0]) as f:
-                f.readline()
-            t0 = time.perf_counter()
-            model(ids, use_cache=True, logits_to_keep=1)
+                n = int(f.readline())
+            ts = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                model(ids, use_cache=True, logits_to_keep=1)
+                ts.append(time.perf_counter() - t0)
             with open(fifos[1], "w") as f:
-                f.write(f"{time.perf_counter() - t0!r}\n")
+                f.write(" ".join(f"{t!r}" for t in ts) + "\n")
 
 
 def main() -> None:
@@ -222,6 +228,8 @@ def main() -> None:
                     "the Session's); several: every p = 2 variant runs with each")  # fmt: skip
     ap.add_argument("--gap", type=float, default=1.0, help="seconds every process idles between a treeattn run "
                     "and the next transformers run")  # fmt: skip
+    ap.add_argument("--baseline-runs", type=int, default=2, help="transformers forwards per pair, in a row; the "
+                    "ratio takes their best")  # fmt: skip
     ap.add_argument(
         "--variants",
         nargs="+",
@@ -258,13 +266,14 @@ def main() -> None:
                     server = mp.get_context("spawn").Process(target=transformers_server, args=(d, ids, fifos, 2))
                     server.start()
                     try:
-                        launch(worker, p, (d, ids, attention, a.reps, chunk, block, fifos, out, a.gap), threads=2 // p,
+                        launch(worker, p, (d, ids, attention, a.reps, chunk, block, fifos, out, a.gap, a.baseline_runs), threads=2 // p,
                                timeout=7200)  # fmt: skip
                     finally:  # it waits for a request (or never loaded): nothing to lose
                         server.kill()
                         server.join()
                     res = json.loads(Path(out).read_text())
-                hf, ranks = res["hf"], res["ranks"]
+                hf_all, ranks = res["hf"], res["ranks"]
+                hf = [min(x) for x in hf_all]
                 ttft = [max(x) for x in zip(*(runs for _, _, runs in ranks), strict=True)]  # every rank done
                 ratio = statistics.median(t / b for t, b in zip(ttft, hf, strict=True))
                 for r, m, runs in ranks:
@@ -274,7 +283,7 @@ def main() -> None:
                     print(f"| {name} | {r} | {m['total']:.2f} | {pair} | {m['layers']:.2f} | {m['attention']:.2f} | "
                           f"{m['kernel']:.2f} | {m['comm']:.2f} | {m['wait']:.2f} | {m['attn_other']:.2f} | "
                           f"{m['stores']:.2f} | {m['linear']:.2f} | {m['outside']:.2f} | "
-                          f"{' / '.join(f'{x:.2f}' for x in runs)}" + (f" (transformers {' / '.join(f'{x:.2f}' for x in hf)})" if r == 0 else "")
+                          f"{' / '.join(f'{x:.2f}' for x in runs)}" + (f" (transformers {' / '.join(', '.join(f'{y:.2f}' for y in x) for x in hf_all)})" if r == 0 else "")
                           + " |")  # fmt: skip
 
 
