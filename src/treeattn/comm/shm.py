@@ -11,17 +11,25 @@ exchange returns only after every peer's block of that exchange was announced, w
 does after it finished reading the exchange before. So a slot is written again only after
 every reader is done with it, for any group size.
 
-The segments are created ``0600`` with unguessable names, mapped by every rank of the group,
-then unlinked at once (nothing is left in ``/dev/shm`` if a rank dies later). Used only when
-every rank of the group verifiably maps its peers' segments (a token written by each owner is
-read back by every peer); else the caller keeps the process group's send/recv. Set
-``TREEATTN_SHM=0`` to disable it. Raw bytes only: nothing is unpickled.
+The segments are created ``0600`` (``O_EXCL``, no symlinks followed) under a fresh random name
+for every size, mapped by every rank of the group (peers: read-only, and only a regular file of
+this user of the expected size), then unlinked at once: nothing is left in ``/dev/shm`` if a
+rank dies later, and a peer on another host creates nothing. Used only when every rank of the
+group verifiably maps its peers' segments (a token written by each owner is read back by every
+peer); else the caller keeps the process group's send/recv. The segments grow with the largest
+block and live as long as the group; a growth that fails on any rank (a full ``/dev/shm``:
+Docker's default is 64 MB) switches the group to send/recv for good. Set ``TREEATTN_SHM=0`` to
+disable it. Raw bytes only: nothing is unpickled.
 """
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 import secrets
+import stat
+import warnings
 import weakref
 from collections.abc import Iterator
 
@@ -37,52 +45,84 @@ _TAG = 9  # the ready messages' tag (the ring's own messages use tags 0 and 1)
 _GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> _Shm, or False
 
 
+def _map(fd: int, nbytes: int, write: bool) -> Tensor:
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if write else 0)
+    with warnings.catch_warnings():  # a peer's segment is mapped read-only: torch warns of that
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mmap.mmap(fd, nbytes, mmap.MAP_SHARED, prot), dtype=torch.uint8)
+
+
+def _create(path: str, nbytes: int) -> Tensor:
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+    try:  # allocated up front: a full /dev/shm fails here, not with SIGBUS later
+        os.posix_fallocate(fd, 0, nbytes)
+        return _map(fd, nbytes, True)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def _open_peer(path: str, nbytes: int) -> Tensor | None:
+    """A peer's segment, read-only; None unless it is a regular file of ours of ``nbytes``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size != nbytes:
+            return None
+        return _map(fd, nbytes, False)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+
+
 class _Shm:
     """One group's segments: this rank's (two slots) and its peers' mappings."""
 
-    def __init__(self, group, base: str) -> None:
-        self.group, self.base, self.gen, self.slot_bytes, self.calls = group, base, 0, 0, 0
+    def __init__(self, group) -> None:
+        self._ref = None if group is None else weakref.ref(group)  # the dict's key: no strong ref
+        self.slot_bytes, self.calls = 0, 0
         self.maps: list[Tensor] = []
 
-    def _path(self, rank: int, gen: int) -> str:
-        return os.path.join(_DIR, f"{self.base}-{gen}-{rank}")
+    @property
+    def group(self):
+        return None if self._ref is None else self._ref()
 
     def _map_all(self, nbytes: int, token: int | None = None) -> bool:
-        """Collective: every rank creates a segment of ``nbytes`` (allocated up front: a full
-        ``/dev/shm`` fails here, not with SIGBUS later) and maps every peer's. True when every
-        rank mapped every peer's (and, with a ``token``, read back each owner's token)."""
-        rank, p = world(self.group)
-        self.gen += 1
+        """Collective: every rank creates a segment of ``nbytes`` under a fresh random name and
+        maps every peer's. True when every rank mapped every peer's (and, with a ``token``,
+        read back each owner's token). No exception of one rank escapes it alone: a local
+        failure is a False for the whole group."""
+        group = self.group
+        rank, p = world(group)
         self.maps, self.slot_bytes = [], 0
-        mine, maps, ok = self._path(rank, self.gen), {}, True
+        seed = broadcast(torch.tensor([secrets.randbits(62) if rank == 0 else 0], dtype=torch.int64), group)
+        base = os.path.join(_DIR, f"treeattn-{os.getuid()}-{int(seed[0]):x}-")
+        maps: dict[int, Tensor | None] = {}
         try:
-            fd = os.open(mine, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, nbytes)
-            finally:
-                os.close(fd)
-            maps[rank] = torch.from_file(mine, shared=True, size=nbytes, dtype=torch.uint8)
+            maps[rank] = _create(base + str(rank), nbytes)
             if token is not None:
                 maps[rank][:8].view(torch.int64).fill_(token)
-        except (OSError, RuntimeError):
-            ok = False
+        except (OSError, ValueError, RuntimeError):
+            maps.clear()
         try:  # every rank takes part in every collective below, whatever failed
+            ok = bool(all_reduce(torch.tensor([float(bool(maps))]), dist.ReduceOp.MIN, group)[0] > 0)
             if token is not None:
-                tokens = all_gather(torch.tensor([token], dtype=torch.int64), self.group).view(-1).tolist()
-            else:
-                all_reduce(torch.zeros(1), dist.ReduceOp.SUM, self.group)  # every segment exists
+                tokens = all_gather(torch.tensor([token], dtype=torch.int64), group).view(-1).tolist()
             for j in range(p):
                 if j != rank and ok:
-                    try:
-                        maps[j] = torch.from_file(self._path(j, self.gen), shared=True, size=nbytes, dtype=torch.uint8)
-                    except (OSError, RuntimeError):
-                        ok = False
-                    else:
-                        ok = token is None or int(maps[j][:8].view(torch.int64)) == tokens[j]
-            ok = bool(all_reduce(torch.tensor([float(ok)]), dist.ReduceOp.MIN, self.group)[0] > 0)  # all mapped
+                    maps[j] = m = _open_peer(base + str(j), nbytes)
+                    ok = m is not None and (token is None or int(m[:8].view(torch.int64)) == tokens[j])
+            ok = bool(all_reduce(torch.tensor([float(ok)]), dist.ReduceOp.MIN, group)[0] > 0)  # all mapped
         finally:
-            if rank in maps or os.path.exists(mine):
-                os.unlink(mine)
+            if rank in maps:  # ours: every peer that could map it has
+                with contextlib.suppress(OSError):
+                    os.unlink(base + str(rank))
         if ok:
             self.maps, self.slot_bytes = [maps[j] for j in range(p)], nbytes // 2
         return ok
@@ -97,7 +137,8 @@ class _Shm:
             return True
         if self._map_all(2 * (-(-(need + need // 4) // 4096) * 4096)):  # slots page-aligned
             return True
-        _GROUPS[self.group if self.group is not None else dist.group.WORLD] = False
+        group = self.group
+        _GROUPS[group if group is not None else dist.group.WORLD] = False
         return False
 
     def exchange(self, k: Tensor, v: Tensor, sizes: list[int]) -> Iterator[tuple[int, Tensor, Tensor]]:
@@ -106,7 +147,8 @@ class _Shm:
         each once its owner announced it. Views into shared memory: valid until the exchange
         after next. Call :meth:`fits` first; consume the iterator fully (that completes the
         exchange)."""
-        rank, p = world(self.group)
+        group = self.group
+        rank, p = world(group)
         B, H, _, D = k.shape
         Dv, es = v.shape[3], k.element_size()
         slot = (self.calls % 2) * self.slot_bytes
@@ -122,19 +164,17 @@ class _Shm:
         vb.copy_(v)
         flag = torch.tensor([self.calls], dtype=torch.int64)
         got = [torch.zeros(1, dtype=torch.int64) for _ in range(p)]
-        g = self.group if self.group is not None else dist.group.WORLD
+        g = group if group is not None else dist.group.WORLD
         ops = []
         for j in range(p):
             if j != rank:
-                ops.append(dist.P2POp(dist.isend, flag, dist.get_global_rank(g, j), self.group, tag=_TAG))
-                ops.append(dist.P2POp(dist.irecv, got[j], dist.get_global_rank(g, j), self.group, tag=_TAG))
+                ops.append(dist.P2POp(dist.isend, flag, dist.get_global_rank(g, j), group, tag=_TAG))
+                ops.append(dist.P2POp(dist.irecv, got[j], dist.get_global_rank(g, j), group, tag=_TAG))
         try:
             reqs = dist.batch_isend_irecv(ops)
         except RuntimeError as e:
-            raise _failure("send-recv", self.group, e, "ring") from e
-        return self._blocks(
-            [_Request(r, self.group) for r in reqs], got, self.calls, block, (k.numel() + v.numel()) * es
-        )
+            raise _failure("send-recv", group, e, "ring") from e
+        return self._blocks([_Request(r, group) for r in reqs], got, self.calls, block, (k.numel() + v.numel()) * es)
 
     def _blocks(
         self, reqs: list, got: list[Tensor], calls: int, block, held: int
@@ -166,13 +206,8 @@ def shm_exchange(group) -> _Shm | None:
 
 
 def _setup(group) -> _Shm | bool:
-    rank, _ = world(group)
     local = os.environ.get("TREEATTN_SHM", "1") != "0" and os.path.isdir(_DIR) and os.access(_DIR, os.W_OK)
     if not bool(all_reduce(torch.tensor([float(local)]), dist.ReduceOp.MIN, group)[0] > 0):
         return False
-    seed = broadcast(torch.tensor([secrets.randbits(62) if rank == 0 else 0], dtype=torch.int64), group)
-    st = _Shm(group, f"treeattn-{os.getuid()}-{int(seed[0]):x}")
-    try:
-        return st if st._map_all(4096, token=secrets.randbits(62)) else False
-    except OSError:
-        return False
+    st = _Shm(group)
+    return st if st._map_all(4096, token=secrets.randbits(62)) else False
