@@ -161,7 +161,7 @@ def worker(model_dir, ids, attention, reps, chunk, block, fifos, out, gap, nbase
         total = time.perf_counter() - t0
         del s
         dist.barrier()  # every rank done (and its session freed) before the next baseline run
-        time.sleep(gap)  # and idle: nothing of this run lingers into the next baseline run
+        time.sleep(gap)  # and every process idles before it
         ring = acc["ring_pass"]
         kernel = acc["kernel"]
         comm = acc["collectives"] + ring
