@@ -64,6 +64,11 @@ def _failure(op: str, group: dist.ProcessGroup | None, e: BaseException, default
     )
 
 
+def group_or_world(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """``group``, or the world group for None (what ``get_global_rank`` and weak keys need)."""
+    return group if group is not None else dist.group.WORLD
+
+
 def world(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """(rank in group, group size); (0, 1) when torch.distributed is not initialised."""
     if not dist.is_available() or not dist.is_initialized():
@@ -143,7 +148,7 @@ def sendrecv(send: list[Tensor], dst: int, recv: list[Tensor], src: int, group: 
     together; returns the requests to wait on (``wait()`` raises :class:`CollectiveError`).
     Message i carries tag i, so the i-th send always lands in the i-th receive (backends may
     match same-tag messages out of order)."""
-    g = group if group is not None else dist.group.WORLD
+    g = group_or_world(group)
     gd, gs = dist.get_global_rank(g, dst), dist.get_global_rank(g, src)
     ops = []
     for i, t in enumerate(send):

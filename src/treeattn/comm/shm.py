@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import meter
-from .collectives import _failure, _Request, all_gather, all_reduce, broadcast, world
+from .collectives import _failure, _Request, all_gather, all_reduce, broadcast, group_or_world, world
 
 _DIR = "/dev/shm"
 _TAG = 9  # the ready messages' tag (the ring's own messages use tags 0 and 1)
@@ -137,8 +137,7 @@ class _Shm:
             return True
         if self._map_all(2 * (-(-(need + need // 4) // 4096) * 4096)):  # slots page-aligned
             return True
-        group = self.group
-        _GROUPS[group if group is not None else dist.group.WORLD] = False
+        _GROUPS[group_or_world(self.group)] = False
         return False
 
     def exchange(self, k: Tensor, v: Tensor, sizes: list[int]) -> Iterator[tuple[int, Tensor, Tensor]]:
@@ -164,24 +163,22 @@ class _Shm:
         vb.copy_(v)
         flag = torch.tensor([self.calls], dtype=torch.int64)
         got = [torch.zeros(1, dtype=torch.int64) for _ in range(p)]
-        g = group if group is not None else dist.group.WORLD
+        g, peers = group_or_world(group), [(rank - hop) % p for hop in range(1, p)]  # ring order
         ops = []
-        for j in range(p):
-            if j != rank:
-                ops.append(dist.P2POp(dist.isend, flag, dist.get_global_rank(g, j), group, tag=_TAG))
-                ops.append(dist.P2POp(dist.irecv, got[j], dist.get_global_rank(g, j), group, tag=_TAG))
+        for j in peers:
+            ops.append(dist.P2POp(dist.isend, flag, dist.get_global_rank(g, j), group, tag=_TAG))
+            ops.append(dist.P2POp(dist.irecv, got[j], dist.get_global_rank(g, j), group, tag=_TAG))
         try:
-            reqs = dist.batch_isend_irecv(ops)
+            reqs = [_Request(r, group) for r in dist.batch_isend_irecv(ops)]
         except RuntimeError as e:
             raise _failure("send-recv", group, e, "ring") from e
-        return self._blocks([_Request(r, group) for r in reqs], got, self.calls, block, (k.numel() + v.numel()) * es)
+        return self._blocks(peers, reqs, got, self.calls, block, (k.numel() + v.numel()) * es)
 
     def _blocks(
-        self, reqs: list, got: list[Tensor], calls: int, block, held: int
+        self, peers: list[int], reqs: list, got: list[Tensor], calls: int, block, held: int
     ) -> Iterator[tuple[int, Tensor, Tensor]]:
-        rank, p = world(self.group)
-        for src in [(rank - hop) % p for hop in range(1, p)]:
-            reqs[2 * (src if src < rank else src - 1) + 1].wait()
+        for i, src in enumerate(peers):
+            reqs[2 * i + 1].wait()  # src's ready message
             if int(got[src]) != calls:
                 raise RuntimeError(f"treeattn: shared-memory exchange out of step with rank {src}")
             ks, vs = block(src)
@@ -197,7 +194,7 @@ class _Shm:
 def shm_exchange(group) -> _Shm | None:
     """The group's shared-memory exchange, or None when its ranks cannot share memory (other
     hosts, no ``/dev/shm``, ``TREEATTN_SHM=0``). Collective on first use per group."""
-    g = group if group is not None else dist.group.WORLD
+    g = group_or_world(group)
     st = _GROUPS.get(g)
     if st is None:
         st = _setup(group)

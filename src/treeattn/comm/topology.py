@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .collectives import world
+from .collectives import group_or_world, world
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def node_groups(group: dist.ProcessGroup | None, topo: Topology) -> tuple:
     if key not in _GROUPS:
         rpn = topo.ranks_per_node
         nodes = topo.nodes(p)
-        g = group if group is not None else dist.group.WORLD
+        g = group_or_world(group)
         glob = [dist.get_global_rank(g, r) for r in range(p)]
         node, local = divmod(rank, rpn)
         kw = dict(use_local_synchronization=True, timeout=_timeout(g))
