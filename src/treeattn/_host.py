@@ -80,9 +80,13 @@ def empty_huge(
     memory keep the size they have). Decode attention streams the whole KV cache every step,
     and with 4 KiB pages TLB misses cost about a third of one core's read bandwidth
     (docs/benchmarks.md, "Decode kernel"). Without THP (``never``) or off Linux this is plain
-    ``torch.empty``; the advice changes nothing but the page size. ``huge=False`` asks for
-    small pages instead (``MADV_NOHUGEPAGE``, for measurements)."""
+    ``torch.empty``; the advice changes nothing but the page size. ``huge=False``, or
+    ``TREEATTN_HUGE_PAGES=0`` in the environment, asks for small pages instead
+    (``MADV_NOHUGEPAGE``): the first touch of fresh 2 MiB pages can cost several times that
+    of 4 KiB pages on a VM whose host reclaims the guest's free memory (docs/benchmarks.md
+    section 13.1), a prefill-time cost that decoding from huge pages pays back only later."""
     t = torch.empty(*shape, dtype=dtype, device=device)
+    huge = huge and os.environ.get("TREEATTN_HUGE_PAGES", "1") != "0"
     if t.device.type == "cpu" and t.nbytes >= _HUGE_MIN_BYTES and sys.platform.startswith("linux"):
         _madvise(t.data_ptr(), t.nbytes, _MADV_HUGEPAGE if huge else _MADV_NOHUGEPAGE)
     return t

@@ -1,4 +1,5 @@
-"""The KV cache asks for 2 MiB transparent huge pages (decode streams it every step)."""
+"""The KV cache asks for 2 MiB transparent huge pages (decode streams it every step), and for
+small pages with TREEATTN_HUGE_PAGES=0."""
 
 import sys
 from pathlib import Path
@@ -27,10 +28,19 @@ def test_empty_huge_is_an_empty_tensor():
 
 
 @pytest.mark.skipif(thp_mode() not in ("always", "madvise"), reason=f"transparent huge pages: {thp_mode()}")
-def test_cache_buffers_on_huge_pages():
-    h0 = huge_page_bytes()
-    cache = ShardedKVCache(2, 1, 4, 128, dtype=torch.bfloat16, capacity=65536)  # 2 x 2 x 64 MiB
-    for t in cache.k + cache.v:
-        t.zero_()  # first touch: the kernel backs the advised ranges with 2 MiB pages
-    got = huge_page_bytes() - h0
-    assert got >= cache.memory_bytes()["allocated"] // 2, (got, cache.memory_bytes())
+def test_cache_buffers_on_huge_pages(monkeypatch):
+    for env, huge in [(None, True), ("0", False), ("1", True)]:
+        if env is None:
+            monkeypatch.delenv("TREEATTN_HUGE_PAGES", raising=False)
+        else:
+            monkeypatch.setenv("TREEATTN_HUGE_PAGES", env)
+        h0 = huge_page_bytes()
+        cache = ShardedKVCache(2, 1, 4, 128, dtype=torch.bfloat16, capacity=65536)  # 2 x 2 x 64 MiB
+        for t in cache.k + cache.v:
+            t.zero_()  # first touch: the kernel backs the advised ranges with 2 MiB pages
+        got, alloc = huge_page_bytes() - h0, cache.memory_bytes()["allocated"]
+        if huge:
+            assert got >= alloc // 2, (env, got, alloc)
+        else:  # MADV_NOHUGEPAGE: small pages even when the host's mode is "always"
+            assert got < alloc // 8, (env, got, alloc)
+        del cache, t
