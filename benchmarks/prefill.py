@@ -218,6 +218,25 @@ def transformers_server(model_dir, ids, fifos, threads) -> None:
                 f.write(" ".join(f"{t!r}" for t in ts) + "\n")
 
 
+def run_launch(a, d, ids, p, attention, reps, chunk, block, env) -> dict:
+    """One launch: a transformers process and ``p`` ranks, ``reps`` pairs after a warm-up pair."""
+    from treeattn.launch import launch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out, fifos = str(Path(tmp, "res.json")), [str(Path(tmp, x)) for x in ("req", "resp")]
+        for f in fifos:
+            os.mkfifo(f, 0o600)
+        server = mp.get_context("spawn").Process(target=transformers_server, args=(d, ids, fifos, 2))
+        server.start()
+        try:
+            launch(worker, p, (d, ids, attention, reps, chunk, block, fifos, out, a.gap, a.baseline_runs), threads=2 // p,
+                   timeout=7200, env=env)  # fmt: skip
+        finally:  # it waits for a request (or never loaded): nothing to lose
+            server.kill()
+            server.join()
+        return json.loads(Path(out).read_text())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--doc", default="/usr/share/common-licenses/GPL-3")
@@ -231,6 +250,9 @@ def main() -> None:
                     "and the next transformers run")  # fmt: skip
     ap.add_argument("--baseline-runs", type=int, default=2, help="transformers forwards per pair, in a row; the "
                     "ratio takes their best")  # fmt: skip
+    ap.add_argument("--relaunch", action="store_true", help="every pair in a launch of its own (a new transformers "
+                    "process and new ranks, each after its own warm-up pair), so that no launch's own speed weighs "
+                    "on every pair; the per-rank columns are then medians of the launches' medians")  # fmt: skip
     ap.add_argument(
         "--variants",
         nargs="+",
@@ -247,14 +269,14 @@ def main() -> None:
 
     from treeattn.hf.haystack import chat_ids
     from treeattn.hf.models import resolve_model
-    from treeattn.launch import launch
 
     d = str(resolve_model(str(Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")))
     tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
     text_ids = tok(Path(a.doc).read_text(), add_special_tokens=False).input_ids
     for n in a.tokens:
         ids = chat_ids(tok, tok.decode(text_ids[: n - 30]) + "\n\nSummarize this.")
-        print(f"\n### {ids.shape[1]:,} prompt tokens, median of {a.reps} pairs (after a warm-up pair)\n")
+        each = ", each in a launch of its own" if a.relaunch else ""
+        print(f"\n### {ids.shape[1]:,} prompt tokens, median of {a.reps} pairs (after a warm-up pair{each})\n")
         print("| variant | rank | total s | transformers s | ratio | layers | attention fn | kernel | collectives+wait "
               "| of which wait | attn other | stores | projections+MLP | outside layers | runs s (rank 0) |")  # fmt: skip
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -262,20 +284,11 @@ def main() -> None:
             p, attention = (1, "tree") if v.startswith("p1") else (2, v)  # tree, ring or auto
             env = {"TREEATTN_HUGE_PAGES": "0"} if v == "p1-small-pages" else None
             for chunk, block in itertools.product(a.chunk, a.block if p > 1 else [None]):
-                with tempfile.TemporaryDirectory() as tmp:
-                    out, fifos = str(Path(tmp, "res.json")), [str(Path(tmp, x)) for x in ("req", "resp")]
-                    for f in fifos:
-                        os.mkfifo(f, 0o600)
-                    server = mp.get_context("spawn").Process(target=transformers_server, args=(d, ids, fifos, 2))
-                    server.start()
-                    try:
-                        launch(worker, p, (d, ids, attention, a.reps, chunk, block, fifos, out, a.gap, a.baseline_runs), threads=2 // p,
-                               timeout=7200, env=env)  # fmt: skip
-                    finally:  # it waits for a request (or never loaded): nothing to lose
-                        server.kill()
-                        server.join()
-                    res = json.loads(Path(out).read_text())
-                hf_all, ranks = res["hf"], res["ranks"]
+                n_launch, reps = (a.reps, 1) if a.relaunch else (1, a.reps)
+                res = [run_launch(a, d, ids, p, attention, reps, chunk, block, env) for _ in range(n_launch)]
+                hf_all = [x for r in res for x in r["hf"]]
+                ranks = [[r, {k: statistics.median(x["ranks"][r][1][k] for x in res) for k in res[0]["ranks"][r][1]},
+                          [t for x in res for t in x["ranks"][r][2]]] for r in range(p)]  # fmt: skip
                 hf = [min(x) for x in hf_all]
                 ttft = [max(x) for x in zip(*(runs for _, _, runs in ranks), strict=True)]  # every rank done
                 ratio = statistics.median(t / b for t, b in zip(ttft, hf, strict=True))
