@@ -20,6 +20,7 @@ its blocking on a peer's block (gloo's receive, or the shared-memory ready messa
     python benchmarks/prefill.py --doc /usr/share/common-licenses/GPL-3 --tokens 4000 7000
     TREEATTN_SHM=0 python benchmarks/prefill.py ...   # the ring's blocks through gloo, not /dev/shm
     python benchmarks/prefill.py --variants p1 p1-small-pages   # the KV cache on 2 MiB / 4 KiB pages
+    python benchmarks/prefill.py --relaunch ...   # every pair in a launch of its own
 """
 
 from __future__ import annotations
