@@ -20,6 +20,7 @@ its blocking on a peer's block (gloo's receive, or the shared-memory ready messa
     python benchmarks/prefill.py --doc /usr/share/common-licenses/GPL-3 --tokens 4000 7000
     TREEATTN_SHM=0 python benchmarks/prefill.py ...   # the ring's blocks through gloo, not /dev/shm
     python benchmarks/prefill.py --variants p1 p1-small-pages   # the KV cache on 2 MiB / 4 KiB pages
+    python benchmarks/prefill.py --variants p1 p1-torch-kernel   # our prefill kernel / PyTorch's
     python benchmarks/prefill.py --relaunch ...   # every pair in a launch of its own
 """
 
@@ -219,6 +220,13 @@ def transformers_server(model_dir, ids, fifos, threads) -> None:
                 f.write(" ".join(f"{t!r}" for t in ts) + "\n")
 
 
+# p = 1 variants that differ by the ranks' environment: (environment, label)
+P1_ENV = {
+    "p1-small-pages": ({"TREEATTN_HUGE_PAGES": "0"}, ", cache on 4 KiB pages"),
+    "p1-torch-kernel": ({"TREEATTN_PREFILL_KERNEL": "0"}, ", PyTorch's kernel"),
+}
+
+
 def run_launch(a, d, ids, p, attention, reps, chunk, block, env) -> dict:
     """One launch: a transformers process and ``p`` ranks, ``reps`` pairs after a warm-up pair."""
     from treeattn.launch import launch
@@ -258,9 +266,10 @@ def main() -> None:
         "--variants",
         nargs="+",
         default=["p1", "tree", "ring", "auto"],
-        choices=["p1", "p1-small-pages", "tree", "ring", "auto"],
+        choices=["p1", "p1-small-pages", "p1-torch-kernel", "tree", "ring", "auto"],
         help="p1 (p = 1, 2 threads), p1-small-pages (the same with TREEATTN_HUGE_PAGES=0: the KV cache on 4 KiB "
-        "pages), tree / ring / auto (p = 2 prefill methods), each paired with transformers",
+        "pages), p1-torch-kernel (the same with TREEATTN_PREFILL_KERNEL=0: PyTorch's fused kernel instead of "
+        "ours), tree / ring / auto (p = 2 prefill methods), each paired with transformers",
     )
     a = ap.parse_args()
     gguf_path = smollm2_gguf()
@@ -281,7 +290,7 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for v in a.variants:
             p, attention = (1, "tree") if v.startswith("p1") else (2, v)  # tree, ring or auto
-            env = {"TREEATTN_HUGE_PAGES": "0"} if v == "p1-small-pages" else None
+            env = P1_ENV.get(v, (None, ""))[0]
             for chunk, block in itertools.product(a.chunk, a.block if p > 1 else [None]):
                 n_launch, reps = (a.reps, 1) if a.relaunch else (1, a.reps)
                 res = [run_launch(a, d, ids, p, attention, reps, chunk, block, env) for _ in range(n_launch)]
@@ -293,7 +302,7 @@ def main() -> None:
                 ratio = statistics.median(t / b for t, b in zip(ttft, hf, strict=True))
                 for r, m, runs in ranks:
                     name = f"treeattn p={p} {attention}" + (" (2 threads)" if p == 1 else "") + f", chunk {chunk}"
-                    name += ", cache on 4 KiB pages" if env else ""
+                    name += P1_ENV.get(v, (None, ""))[1]
                     name += f", block {block}" if block is not None and p > 1 else ""
                     pair = f"{statistics.median(hf):.2f} | **{ratio:.3f}x**" if r == 0 else " | "
                     print(f"| {name} | {r} | {m['total']:.2f} | {pair} | {m['layers']:.2f} | {m['attention']:.2f} | "

@@ -184,9 +184,59 @@ def prefill_worker() -> None:
         close(out, lse, ref_args, f"{what} tree chunk")
 
 
+def kernel_prefill_worker() -> None:
+    """Ring and Tree prefill whose blocks the float32 prefill kernel takes (D = 64, its
+    threshold off): both placements, with and without a window, whole and as a later chunk."""
+    import treeattn.ops._prefill_cpu as PC
+    import treeattn.parallel.prefill as P
+    from treeattn.cache import Placement
+    from treeattn.ops._decode_cpu import kernel_features
+    from treeattn.parallel import ring_prefill, tree_prefill
+
+    PC._MIN_WORK, PC._MIN_FILL = 0, 0
+    taken, real = [], P.prefill_states
+
+    def spy(*a):
+        st = real(*a)
+        taken.append(st is not None)
+        return st
+
+    P.prefill_states = spy
+    rank, p = dist.get_rank(), dist.get_world_size()
+    L, Hq, Hkv, Dk = 150, 9, 3, 64
+    for i, (kind, block, W) in enumerate([("contiguous", 1, None), ("interleaved", 4, None), ("contiguous", 1, 33)]):
+        g = torch.Generator().manual_seed(200 + i)
+        q = torch.randn(1, Hq, L, Dk, generator=g) * 2
+        k, v = torch.randn(1, Hkv, L, Dk, generator=g), torch.randn(1, Hkv, L, Dk, generator=g)
+        pos = [Placement(kind, p, block).prompt_positions(r, L) for r in range(p)]
+        mine = pos[rank]
+        j = torch.arange(L)
+        vis = j[None, :] <= j[:, None]
+        if W is not None:
+            vis &= j[None, :] > j[:, None] - W
+        vis = vis[None]
+        what = f"rank {rank}/{p} {kind}/{block} W={W} kernel"
+        kw = dict(window=W, return_lse=True)
+        out, lse = ring_prefill(q[:, :, mine], k[:, :, mine], v[:, :, mine], pos, **kw)
+        close(out, lse, (q[:, :, mine], k, v, vis[:, mine], None), f"{what} ring")
+        out, lse = tree_prefill(q[:, :, mine], k[:, :, mine], v[:, :, mine], pos, mine, **kw)
+        close(out, lse, (q[:, :, mine], k, v, vis[:, mine], None), f"{what} tree")
+        qp = [x[(x >= 100) & (x < 140)] for x in pos]  # a later chunk: queries [100, 140)
+        kp = [x[x < 140] for x in pos]
+        cq = qp[rank]
+        ks, vs = k[:, :, kp[rank]], v[:, :, kp[rank]]
+        out, lse = ring_prefill(q[:, :, cq], ks, vs, kp, q_positions=cq, **kw)
+        close(out, lse, (q[:, :, cq], k, v, vis[:, cq], None), f"{what} ring chunk")
+        out, lse = tree_prefill(q[:, :, cq], ks, vs, qp, kp[rank], **kw)
+        close(out, lse, (q[:, :, cq], k, v, vis[:, cq], None), f"{what} tree chunk")
+    P.prefill_states = real
+    assert any(taken) == ("prefill512" in kernel_features()), taken
+
+
 def both() -> None:
     decode_worker()
     prefill_worker()
+    kernel_prefill_worker()
 
 
 @pytest.mark.parametrize("p", [2, 3])

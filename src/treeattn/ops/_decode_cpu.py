@@ -1,5 +1,6 @@
 """Streaming decode attention on CPU: a small C kernel (``_decode_cpu.c``) built with the
-system C compiler on first use and loaded with ctypes, with a pure-PyTorch fallback.
+system C compiler on first use and loaded with ctypes, with a pure-PyTorch fallback. The same
+shared object holds the prefill kernel (``_prefill_cpu.c``, used by :mod:`._prefill_cpu`).
 
 Why a plain C file and not ``torch.utils.cpp_extension``: decode attention is a streaming
 problem (every K/V byte is read once, ~2 flops per byte), so what matters is one pass over
@@ -37,8 +38,16 @@ from .state import empty_state, merge_states
 __all__ = ["decode_cpu", "decode_torch", "kernel_available", "kernel_features", "kernel_info"]
 
 _SRC = Path(__file__).with_name("_decode_cpu.c")
+_SRCS = (_SRC, Path(__file__).with_name("_prefill_cpu.c"))  # one shared object
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_FLAG_SETS = (["-O3", "-march=native", "-fopenmp-simd"], ["-O3", "-fopenmp-simd"], ["-O2"])
+# -fopenmp: the prefill kernel's threads come from torch's OpenMP pool (libgomp.so.1, already
+# loaded by torch, is the copy the loader binds); the decode kernel keeps its own pthreads
+_FLAG_SETS = (
+    ["-O3", "-march=native", "-fopenmp"],
+    ["-O3", "-march=native", "-fopenmp-simd"],
+    ["-O3", "-fopenmp-simd"],
+    ["-O2"],
+)
 # Keys per online-softmax block: K+V of a block (fp32, D=128: 64 KiB) stays in L1/L2 while
 # the block's rows are processed. Minimum keys per thread when S is split across threads.
 _BLOCK = 64
@@ -84,7 +93,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"{cc} --version failed: {e}"
-    src = _SRC.read_bytes()
+    src = b"\0".join(p.read_bytes() for p in _SRCS)
     cache = _cache_dir()
     errors = []
     for flags in _FLAG_SETS:
@@ -95,7 +104,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
                 cache.mkdir(parents=True, exist_ok=True)
                 fd, tmp = tempfile.mkstemp(dir=cache, prefix=".decode_cpu-", suffix=".so")
                 os.close(fd)
-                cmd = [cc, "-std=c99", *flags, "-fPIC", "-shared", "-o", tmp, str(_SRC), "-lm", "-lpthread"]
+                cmd = [cc, "-std=c99", *flags, "-fPIC", "-shared", "-o", tmp, *map(str, _SRCS), "-lm", "-lpthread"]
                 r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
                 if r.returncode != 0:
                     os.unlink(tmp)
@@ -118,7 +127,10 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
             + [vp, vp, ctypes.c_float, ctypes.c_int, i64, i64, vp, vp]
         )
         f.restype = ctypes.c_int
+        lib.treeattn_prefill.argtypes = [vp, vp, vp, ctypes.c_float] + [i64] * 13 + [vp, vp, vp, ctypes.c_int, vp, vp]
+        lib.treeattn_prefill.restype = ctypes.c_int
         lib.treeattn_features.restype = ctypes.c_int
+        lib.treeattn_prefill_available.restype = ctypes.c_int
         feats = _features(lib)
         return lib, f"{so} ({cc} {' '.join(flags)}; {', '.join(feats) or 'portable C'})"
     return None, "build failed: " + " | ".join(errors)
@@ -126,7 +138,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
 
 def _features(lib: ctypes.CDLL) -> list[str]:
     bits = lib.treeattn_features()
-    return [name for bit, name in ((1, "avx2"), (4, "avx512"), (2, "avx512bf16"), (8, "bf16tiles")) if bits & bit]
+    names = [name for bit, name in ((1, "avx2"), (4, "avx512"), (2, "avx512bf16"), (8, "bf16tiles")) if bits & bit]
+    return names + (["prefill512"] if lib.treeattn_prefill_available() else [])
 
 
 def kernel_features() -> frozenset[str]:
@@ -135,7 +148,9 @@ def kernel_features() -> frozenset[str]:
     bf16 and the CPU has AVX512-BF16) and
     ``"avx512bf16"`` (bfloat16 queries and K/V with AVX512-BF16 dot products for the scores),
     ``"bf16tiles"`` (bfloat16 K/V on AVX2 CPUs without AVX-512: rows that see the same keys
-    share register tiles over groups of keys); empty when the PyTorch fallback is in use."""
+    share register tiles over groups of keys), ``"prefill512"`` (the float32 AVX-512 prefill
+    kernel of ``_prefill_cpu.c``, see :mod:`treeattn.ops._prefill_cpu`); empty when the PyTorch
+    fallback is in use."""
     _lib()
     return _state["features"]
 

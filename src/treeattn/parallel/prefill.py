@@ -9,6 +9,7 @@ from torch import Tensor
 
 from ..comm.collectives import all_gather, all_to_all, world
 from ..comm.strategies import STRATEGIES, reduce_states
+from ..ops._prefill_cpu import prefill_states
 from ..ops.attention import _attention, all_finite
 from ..ops.state import empty_state, merge_into
 from ._common import check_window
@@ -33,8 +34,10 @@ def causal_states(
     — transformers' sliding-window mask — or ``<= P`` without a window; a query at position
     -1 sees nothing). ``softcap``: see :func:`treeattn.attention_with_lse`. Keys no query
     of a row block sees are never computed. Keys in position order (every placement) give
-    per-query ``[start, end)`` slot bounds; otherwise a dense mask is built for at most
-    ``_MASK_BUDGET`` elements at a time (query rows in chunks)."""
+    per-query ``[start, end)`` slot bounds: float32 on AVX-512 CPUs runs them in one call of
+    the prefill kernel (:mod:`treeattn.ops._prefill_cpu`), else through PyTorch's fused kernel;
+    keys out of order get a dense mask for at most ``_MASK_BUDGET`` elements at a time (query
+    rows in chunks)."""
     qpos, kpos = qpos.to(torch.int64), kpos.to(torch.int64)
     T = q.shape[2]
     real = qpos[qpos >= 0]
@@ -49,17 +52,21 @@ def causal_states(
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         return out.to(acc), lse.to(acc)
     if int(kpos.max()) <= int(qpos.min()) and (window is None or int(kpos.min()) > int(qpos.max()) - window):
-        return _attention(q, k, v, scale=scale, softcap=softcap, backend=backend, keep_fp32=True)  # all visible
+        st = prefill_states(q, k, v, None, None, scale, softcap, backend)  # all visible
+        return st or _attention(q, k, v, scale=scale, softcap=softcap, backend=backend, keep_fp32=True)
     B, G = q.shape[0], q.shape[1] // max(1, k.shape[1])
     rows = max(1, _MASK_BUDGET // (G * len(kpos)))
     ordered = len(kpos) < 2 or bool((kpos[1:] > kpos[:-1]).all())
-    if ordered and window is None:
-        split = _causal_blocks(q, k, v, torch.searchsorted(kpos, qpos, right=True), scale, softcap, backend)
-        if split is not None:
-            return split
     if ordered:
         end = torch.searchsorted(kpos, qpos, right=True)  # first key after the query
         start = None if lo_pos is None else torch.searchsorted(kpos, lo_pos)  # first key in its window
+        st = prefill_states(q, k, v, start, end, scale, softcap, backend)  # one call, per-row bounds
+        if st is not None:
+            return st
+    if ordered and window is None:
+        split = _causal_blocks(q, k, v, end, scale, softcap, backend)
+        if split is not None:
+            return split
     parts = []
     for a in range(0, T, rows):
         qa = q[:, :, a : a + rows]
