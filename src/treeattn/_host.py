@@ -84,7 +84,7 @@ def empty_huge(
     ``TREEATTN_HUGE_PAGES=0`` in the environment, asks for small pages instead
     (``MADV_NOHUGEPAGE``): the first touch of fresh 2 MiB pages can cost several times that
     of 4 KiB pages on a VM whose host reclaims the guest's free memory (docs/benchmarks.md
-    section 13.1), a prefill-time cost that decoding from huge pages pays back only later."""
+    section 13.2), a prefill-time cost that decoding from huge pages pays back only later."""
     t = torch.empty(*shape, dtype=dtype, device=device)
     huge = huge and os.environ.get("TREEATTN_HUGE_PAGES", "1") != "0"
     if t.device.type == "cpu" and t.nbytes >= _HUGE_MIN_BYTES and sys.platform.startswith("linux"):
