@@ -99,9 +99,31 @@ def test_fallbacks_and_nonfinite(monkeypatch):
     assert run(q[:, :, :32], k, v, None, end[:32], None, None, "auto") is None
     monkeypatch.delenv("TREEATTN_PREFILL_KERNEL")
     monkeypatch.setattr(PC, "_MIN_FILL", 0)
+    assert run(q, k[..., :32], v, None, end, None, None, "auto") is None  # head dims differ
+    assert run(q, k, v[:, :, :80], None, end, None, None, "auto") is None  # fewer values than keys
+    assert run(q, k[:, :1], v, None, end, None, None, "auto") is None  # kv heads differ
+    qg = q.clone().requires_grad_()
+    assert run(qg, k, v, None, end, None, None, "auto") is None  # autograd: PyTorch's path
+    with torch.no_grad():
+        assert run(qg, k, v, None, end, None, None, "auto") is not None
     bad = k.clone()
     bad[0, 1, 60] = float("nan")  # a key some rows see: PyTorch's path
     assert run(q, bad, v, None, end, None, None, "auto") is None
+    bad = v.clone()
+    bad[0, 0, 60] = float("nan")  # a value only the later rows see: PyTorch's path
+    assert run(q, k, bad, None, end, None, None, "auto") is None
+    lo, hi = torch.zeros(40, dtype=torch.int64), end.clone()
+    lo[3], hi[5], hi[6] = 2**32 + 1, -5, 2**33  # out of [0, S]: empty, empty, all keys
+    st = run(q, k, v, lo, hi, None, None, "auto")
+    check(*st, q, k, v, lo.clamp(0, 90), hi.clamp(0, 90))
+    lo[:], hi[:] = 5, 5  # no row reads a key: nothing to check for finiteness
+    bad = v.clone()
+    bad[:] = float("nan")
+    o, lse = run(q, k, bad, lo, hi, None, None, "auto")
+    assert bool((o == 0).all()) and bool(torch.isneginf(lse).all())
+    qt = torch.randn(1, 40, 6, 64, generator=g).transpose(1, 2)  # non-contiguous q
+    kt = torch.randn(1, 2, 64, 90, generator=g).transpose(2, 3)  # keys with stride(-1) != 1
+    check(*run(qt, kt, v, None, end, None, None, "auto"), qt, kt, v, None, end)
     bad = v.clone()
     bad[0, 0, 89:] = float("inf")  # beyond every row's end: never read, the kernel runs
     st = run(q, k, bad, None, end - 2, None, None, "auto")

@@ -146,8 +146,8 @@ static void run_task(pjob_t *J, scratch_t *W, int64_t t) {
         if (i < n) {
             lo = J->lo ? J->lo[b * T + i0 + i] : 0;
             hi = J->hi ? J->hi[b * T + i0 + i] : J->S;
-            lo = lo < 0 ? 0 : lo;
-            hi = hi > J->S ? J->S : hi;
+            lo = lo < 0 ? 0 : lo > J->S ? J->S : lo; /* clipped to [0, S] before the int32 store */
+            hi = hi < 0 ? 0 : hi > J->S ? J->S : hi;
             if (hi > lo) {
                 if (lo < kmin) kmin = lo;
                 if (hi > kmax) kmax = hi;

@@ -10,7 +10,8 @@ K/V load. Measured on this 2-core AVX-512 VM (float32, 9/3 heads, D = 64; docs/b
 13.1): 0.62-0.87x the time of the PyTorch path with 2 threads, 0.68-0.92x with 1, for 1024
 queries over 1k-7k keys. Anything else
 (other dtypes, softcap, non-finite keys or values, value dims not a multiple of 64, an explicit
-backend, no AVX-512, ``TREEATTN_PREFILL_KERNEL=0``) returns None and keeps the PyTorch path."""
+backend, no AVX-512, ``TREEATTN_PREFILL_KERNEL=0``, shapes that do not match, inputs that need
+gradients, a failed scratch allocation) returns None and keeps the PyTorch path."""
 
 from __future__ import annotations
 
@@ -56,15 +57,21 @@ def prefill_states(
         and q.dtype == k.dtype == v.dtype == torch.float32
         and Dv % 64 == 0
         and B * Hq * T > 0
+        and Hkv > 0
         and Hq % Hkv == 0
+        and k.shape == (B, Hkv, S, D)
+        and v.shape[:3] == k.shape[:3]
+        and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
         and T * (Hq // Hkv) * S >= _MIN_WORK
         and T >= _MIN_FILL * _RB * -(-T // _RB)
         and os.environ.get("TREEATTN_PREFILL_KERNEL", "") != "0"
         and "prefill512" in kernel_features()
     ):
         return None
-    a = 0 if start is None else int(start.clamp(0, S).min())
-    b = S if end is None else int(end.clamp(0, S).max())
+    lo_k = torch.zeros(T, dtype=torch.int64) if start is None else start.to(torch.int64).clamp(0, S)
+    hi_k = torch.full((T,), S, dtype=torch.int64) if end is None else end.to(torch.int64).clamp(0, S)
+    live = hi_k > lo_k  # rows that read keys: only their range must be finite
+    a, b = (int(lo_k[live].min()), int(hi_k[live].max())) if bool(live.any()) else (0, 0)
     if a < b and not all_finite(k[:, :, a:b], v[:, :, a:b]):
         return None  # a masked key's value would still be weighed (by 0): PyTorch's path
     if k.stride(-1) != 1:
@@ -95,7 +102,7 @@ def prefill_states(
         ptr(lo), ptr(hi), ptr(order), torch.get_num_threads(), out.data_ptr(), lse.data_ptr(),
     )  # fmt: skip
     if rc == 1:
-        raise MemoryError("prefill kernel: could not allocate its scratch buffers")
+        return None  # a thread could not allocate its scratch: PyTorch's path
     if rc != 0:
         raise ValueError(f"prefill kernel: bad arguments (rc={rc}) for q {tuple(q.shape)}, k {tuple(k.shape)}")
     return out.view(B, Hq, T, Dv), lse.view(B, Hq, T)
