@@ -8,10 +8,10 @@ that see nothing), where PyTorch's fused kernel needs a prefix call, a causal-tr
 a merge per run of rows, or a dense mask. The rows of all query heads of a KV head share each
 K/V load. Measured on this 2-core AVX-512 VM (float32, 9/3 heads, D = 64; docs/benchmarks.md
 13.1): 0.62-0.87x the time of the PyTorch path with 2 threads, 0.68-0.92x with 1, for 1024
-queries over 1k-7k keys. Anything else
-(other dtypes, softcap, non-finite keys or values, value dims not a multiple of 64, an explicit
-backend, no AVX-512, ``TREEATTN_PREFILL_KERNEL=0``, shapes that do not match, inputs that need
-gradients, a failed scratch allocation) returns None and keeps the PyTorch path."""
+queries over 1k-7k keys. Anything else (other dtypes, softcap, non-finite keys or values,
+value dims not a multiple of 64, an explicit backend, no AVX-512, ``TREEATTN_PREFILL_KERNEL=0``,
+shapes that do not match, inputs that need gradients, a failed scratch allocation) returns None
+and keeps the PyTorch path."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import os
 import torch
 from torch import Tensor
 
-from ._decode_cpu import _lib, kernel_features
+from ._decode_cpu import _lib, _rows, kernel_features
 from .attention import all_finite
 
 __all__ = ["prefill_states"]
@@ -80,17 +80,14 @@ def prefill_states(
         v = v.contiguous()
     G = Hq // Hkv
     qg = q.contiguous().view(B, Hkv, G * T, D)  # row g * T + i: query i of head h * G + g
-    rows = lambda x: None if x is None else x.to(torch.int64).view(1, T).expand(B, T).contiguous()  # noqa: E731
-    lo, hi = rows(start), rows(end)
-    nrb = -(-T // _RB)
+    lo, hi = _rows(start, B, T), _rows(end, B, T)  # [B, T]: the same bounds for every sequence
     order = None
-    if lo is not None or hi is not None:  # longest row blocks first: balanced threads
+    if start is not None or end is not None:  # longest row blocks first: balanced threads
+        nrb = -(-T // _RB)
         pad = nrb * _RB - T
-        hmax = (hi if hi is not None else torch.full((B, T), S)).clamp(0, S)
-        lmin = (lo if lo is not None else torch.zeros(B, T, dtype=torch.int64)).clamp(0, S)
-        hmax = torch.nn.functional.pad(hmax, (0, pad), value=0).view(B, 1, nrb, _RB).amax(-1)
-        lmin = torch.nn.functional.pad(lmin, (0, pad), value=S).view(B, 1, nrb, _RB).amin(-1)
-        cost = (hmax - lmin).clamp(min=0).expand(B, Hkv, nrb).reshape(-1)
+        hmax = torch.nn.functional.pad(hi_k, (0, pad), value=0).view(nrb, _RB).amax(-1)
+        lmin = torch.nn.functional.pad(lo_k, (0, pad), value=S).view(nrb, _RB).amin(-1)
+        cost = (hmax - lmin).clamp(min=0).expand(B * Hkv, nrb).reshape(-1)  # task (b * Hkv + h) * nrb + block
         order = torch.argsort(cost, descending=True, stable=True).contiguous()
     out = torch.empty(B, Hkv, G * T, Dv, dtype=torch.float32)
     lse = torch.empty(B, Hkv, G * T, dtype=torch.float32)
