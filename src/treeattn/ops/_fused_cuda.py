@@ -77,16 +77,19 @@ def fused_cuda(
     hi: Tensor | None,
     causal: bool,
     softcap: float | None = None,
+    Tq: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Grouped-row attention on CUDA. ``qg [B, Hkv, R, D]`` (row ``g*Tq + i``), ``k``/``v``
     ``[B, Hkv, S, D|Dv]``, ``kv_lens`` int ``[B]`` or None, ``hi`` int ``[B, R]`` the
-    per-row exclusive key bound (None: all S), ``causal`` bottom-right. Returns
+    per-row exclusive key bound (None: all S), ``causal`` bottom-right, ``Tq`` the queries per
+    group member (None: read off ``hi``, a host sync). Keys beyond ``kv_lens`` must hold finite
+    values (the kernels weigh masked keys by 0). Returns
     ``(out [B, Hkv, R, Dv], lse float32 [B, Hkv, R])``; rows with no key give (0, -inf)."""
     if qg.device.type != "cuda":
         raise ValueError(f"backend 'fused_cuda' needs CUDA tensors, got {qg.device}")
     B, H, R, D = qg.shape
     S, Dv = k.shape[2], v.shape[3]
-    Tq = _rows_per_group(R, hi, causal)
+    Tq = _rows_per_group(R, hi, causal) if Tq is None else (Tq if causal else R)
     G = R // Tq
     kind = plan(qg.dtype, D, Dv, G, Tq, causal, kv_lens is not None, softcap, _has_flash_attn())
     if kind == "torch":

@@ -13,8 +13,8 @@ from .state import empty_state
 
 __all__ = ["attention_with_lse", "check_attention_inputs", "BACKENDS"]
 
-Backend = Literal["auto", "torch", "flash_cpu", "decode_cpu", "fused_cuda"]
-BACKENDS: tuple[str, ...] = ("auto", "torch", "flash_cpu", "decode_cpu", "fused_cuda")
+Backend = Literal["auto", "torch", "flash_cpu", "decode_cpu", "fused_cuda", "triton"]
+BACKENDS: tuple[str, ...] = ("auto", "torch", "flash_cpu", "decode_cpu", "fused_cuda", "triton")
 
 
 def all_finite(*ts: Tensor) -> bool:
@@ -196,7 +196,7 @@ def _attention(
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     if backend == "auto":
         backend = _pick_backend(q, k, v)
-        if backend in ("decode_cpu", "fused_cuda") and mask is not None:
+        if backend in ("decode_cpu", "fused_cuda", "triton") and mask is not None:
             backend = "flash_cpu" if backend == "decode_cpu" and Dv == D else "torch"
     if softcap is not None and backend == "flash_cpu":
         backend = "torch"  # the fused kernel cannot softcap its scores
@@ -218,7 +218,7 @@ def _attention(
     vis = None
     if mask is not None:  # rows r = g * Tq + i take mask row i
         vis = mask.to(q.device).index_select(1, torch.arange(qg.shape[2], device=q.device) % Tq).unsqueeze(1)
-    if backend in ("decode_cpu", "fused_cuda") and mask is not None:
+    if backend in ("decode_cpu", "fused_cuda", "triton") and mask is not None:
         raise ValueError(f"backend {backend!r} takes no dense mask; use 'torch' or 'flash_cpu'")
     if backend == "decode_cpu":
         if q.device.type != "cpu":
@@ -231,11 +231,28 @@ def _attention(
         out, lse = decode_cpu(qg, k, v, scale, lo_r, hi_r, softcap)
         if acc == torch.float64:
             out, lse = out.double(), lse.double()
+    elif backend == "triton":
+        from ._triton_attn import triton_attention, triton_available
+
+        if not triton_available(q):
+            raise ValueError(
+                f"backend 'triton' needs triton and CUDA tensors (CPU only under TRITON_INTERPRET=1) of "
+                f"float16/bfloat16/float32, got {q.device} {q.dtype}"
+            )
+        R = qg.shape[2]
+        row_bounds = (causal and Tq > 1) or kv_end is not None or (kv_start is not None and kv_start.ndim == 2)
+        lo_r = None if lo is None else lo.reshape(B, R)
+        hi_r = None if hi is None else hi.reshape(B, R)
+        out, lse = triton_attention(qg, k, v, scale, lo_r, hi_r, softcap, row_bounds)
     elif backend == "fused_cuda":
         from ._fused_cuda import fused_cuda
 
+        if seq is not None:  # the fused kernels weigh masked keys by 0: 0 x NaN of unused slots would leak
+            j = torch.arange(S, device=q.device).view(1, 1, S, 1)
+            bad = (j < seq[0].view(B, 1, 1, 1)) | (j >= seq[1].view(B, 1, 1, 1))
+            k, v = k.masked_fill(bad, 0.0), v.masked_fill(bad, 0.0)
         hi_r = None if hi is None else hi.reshape(B, qg.shape[2])
-        out, lse = fused_cuda(qg, k, v, scale, kv_lens, hi_r, causal, softcap)
+        out, lse = fused_cuda(qg, k, v, scale, kv_lens, hi_r, causal, softcap, Tq)
     elif backend == "flash_cpu":
         if q.device.type != "cpu" or Dv != D:
             raise ValueError(f"backend 'flash_cpu' needs CPU tensors with Dv == D, got {q.device}, D={D}, Dv={Dv}")
@@ -289,7 +306,8 @@ def _pick_backend(q: Tensor, k: Tensor, v: Tensor) -> str:
     #   bf16   6.3-7.0    1.75-1.81  1.24-1.33  1.02-1.07  0.85-0.88  0.88-0.92  0.88-0.93
     # flash_cpu: at least as fast as the grouped matmul path in float32/float64 and much
     # faster in half precision, where the matmul path upcasts K/V chunks to float32.
-    # CUDA: the fused kernels (flash-attn / aten flash / mem-efficient) when available.
+    # CUDA: the Triton split-KV kernel where triton is installed (it ships with PyTorch's CUDA
+    # builds), else the fused kernels (flash-attn / aten flash / mem-efficient).
     if q.device.type == "cpu":
         rows = (q.shape[1] // k.shape[1]) * q.shape[2]
         limit = _DECODE_MAX_ROWS.get(q.dtype, 0)
@@ -306,7 +324,10 @@ def _pick_backend(q: Tensor, k: Tensor, v: Tensor) -> str:
         return "torch"
     if q.device.type == "cuda":
         from ._fused_cuda import fused_cuda_supported
+        from ._triton_attn import triton_available
 
+        if triton_available(q):
+            return "triton"
         if fused_cuda_supported(q, k, v):
             return "fused_cuda"
     return "torch"

@@ -1,0 +1,271 @@
+"""Split-KV flash attention in Triton that returns the log-sum-exp (backend ``"triton"``).
+
+One program takes a block of query rows of one (sequence, KV head) — the G query heads of
+a KV head folded into rows, so K/V are read once for all of them — and one split of the
+keys; the splits' partial states are merged with :func:`~treeattn.ops.state.merge_states_n`.
+Decode (few rows, long S) runs many splits to fill the GPU; prefill (many rows) one split
+and many row blocks. Every row has its own visible key range ``[lo, hi)`` (kv_lens, causal,
+windows), so the same kernel serves decode, speculative steps and causal prefill.
+
+Keys outside the union of the rows' ranges are never loaded (masked loads), so garbage
+beyond ``kv_lens`` cannot leak in. A row with a NaN or +inf score is NaN (out and lse), an
+empty row ``(0, -inf)``; with per-row bounds, a non-finite value reaches only the rows that
+weigh it (checked per block, a slow branch taken only when the block holds one).
+
+The kernel is the custom op ``treeattn::split_kv_attention`` with a fake implementation, so
+it composes with FakeTensor and ``torch.compile``. On CPU tensors it runs only under
+``TRITON_INTERPRET=1`` (how CI tests it). ``triton`` is imported on first use.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+from torch import Tensor
+
+from .state import merge_states_n
+
+__all__ = ["triton_available", "triton_attention", "num_splits"]
+
+_LOG2E = 1.4426950408889634
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+@functools.cache
+def _have_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_available(q: Tensor) -> bool:
+    """Whether the Triton kernel can run on ``q``'s device and dtype: CUDA (or CPU under
+    ``TRITON_INTERPRET=1``), float16/bfloat16/float32, triton installed."""
+    if q.dtype not in _DTYPES or not _have_triton():
+        return False
+    return q.device.type == "cuda" or (q.device.type == "cpu" and interpreting())
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few splits, so the merge is exercised
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _blocks(R: int, D: int, Dv: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV): tl.dot needs every side >= 16."""
+    bm = max(16, min(64, triton_next_pow2(R)))
+    return bm, 64, max(16, triton_next_pow2(D)), max(16, triton_next_pow2(Dv))
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def num_splits(B: int, H: int, R: int, S: int, device: torch.device) -> int:
+    """Key splits per (sequence, KV head, row block): enough programs for ~4 per SM, each
+    split at least 256 keys. A pure function of host-known shapes (no device read)."""
+    bm, bn = _blocks(R, 16, 16)[:2]
+    programs = B * H * -(-R // bm)
+    want = -(-4 * _sm_count(device) // programs)
+    return max(1, min(want, -(-S // 256)))
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def split_kv_fwd(
+        Q, K, V, LO, HI, OUT, LSE,
+        sqb, sqh, sqr, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
+        slob, slor, shib, shir,
+        sob, soh, sos, sor, sod, slb, slh, sls, slr,
+        H, R, S, D, DV, split_len, qk_scale, cap_in, cap_out,
+        HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, SOFTCAP: tl.constexpr, ROW_BOUNDS: tl.constexpr,
+        IEEE: tl.constexpr, F32DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_DV: tl.constexpr,
+    ):  # fmt: skip
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        pid_s = tl.program_id(2)
+        b = pid_bh // H
+        h = pid_bh % H
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rmask = rows < R
+        dd = tl.arange(0, BLOCK_D)
+        dv = tl.arange(0, BLOCK_DV)
+        q = tl.load(
+            Q + b * sqb + h * sqh + rows[:, None] * sqr + dd[None, :] * sqd,
+            mask=rmask[:, None] & (dd[None, :] < D), other=0.0,
+        )  # fmt: skip
+        if F32DOT:
+            q = q.to(tl.float32)
+        if HAS_LO:
+            lo = tl.load(LO + b * slob + rows * slor, mask=rmask, other=S).to(tl.int32)
+            lo = tl.maximum(lo, 0)
+        else:
+            lo = tl.where(rmask, 0, S)
+        if HAS_HI:
+            hi = tl.load(HI + b * shib + rows * shir, mask=rmask, other=0).to(tl.int32)
+            hi = tl.minimum(hi, S)
+        else:
+            hi = tl.where(rmask, S, 0)
+        start = pid_s * split_len
+        end = tl.minimum(start + split_len, S)
+        lo_min = tl.maximum(start, tl.min(lo, 0))
+        n_lo = (lo_min // BLOCK_N) * BLOCK_N
+        n_hi = tl.minimum(end, tl.max(hi, 0))
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        bad = tl.zeros([BLOCK_M], tl.int32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        v_nan = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        v_pinf = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        v_ninf = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        kbase = K + b * skb + h * skh
+        vbase = V + b * svb + h * svh
+        for n0 in range(n_lo, n_hi, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            cmask = (cols >= lo_min) & (cols < n_hi)
+            k = tl.load(kbase + cols[:, None] * sks + dd[None, :] * skd, mask=cmask[:, None] & (dd[None, :] < D), other=0.0)
+            if F32DOT:
+                k = k.to(tl.float32)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            if SOFTCAP:  # c * tanh(scale * s / c), in log2 units (cap_out = c * log2 e)
+                x = s * cap_in
+                s = cap_out * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
+            else:
+                s = s * qk_scale
+            vis = cmask[None, :] & (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
+            undefined = vis & ((s != s) | (s == float("inf")))
+            bad = bad | tl.max(undefined.to(tl.int32), 1)
+            s = tl.where(vis & ~undefined, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(vbase + cols[:, None] * svs + dv[None, :] * svd, mask=cmask[:, None] & (dv[None, :] < DV), other=0.0)
+            acc = acc * alpha[:, None]
+            if ROW_BOUNDS:  # rows differ in bounds: p == 0 must not meet a non-finite value
+                vf = v.to(tl.float32)
+                fin = (vf == vf) & (tl.abs(vf) != float("inf"))
+                if tl.sum((~fin).to(tl.int32)) > 0:
+                    w = (p > 0).to(tl.float32)
+                    v_nan += tl.dot(w, (vf != vf).to(tl.float32), input_precision="ieee")
+                    v_pinf += tl.dot(w, (vf == float("inf")).to(tl.float32), input_precision="ieee")
+                    v_ninf += tl.dot(w, (vf == float("-inf")).to(tl.float32), input_precision="ieee")
+                    v = tl.where(fin, v, 0.0)
+            pv = p.to(v.dtype)
+            if F32DOT:  # the same rounding of p, then a float32 product
+                pv = pv.to(tl.float32)
+                v = v.to(tl.float32)
+            if IEEE:
+                acc += tl.dot(pv, v, input_precision="ieee")
+            else:
+                acc += tl.dot(pv, v)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        if ROW_BOUNDS:
+            out = tl.where(v_pinf > 0, float("inf"), out)
+            out = tl.where(v_ninf > 0, float("-inf"), out)
+            out = tl.where((v_nan > 0) | ((v_pinf > 0) & (v_ninf > 0)), float("nan"), out)
+        lse = tl.where(l_i > 0, (m_i + tl.log2(l_i)) * 0.6931471805599453, float("-inf"))
+        isbad = bad > 0
+        out = tl.where(isbad[:, None], float("nan"), out)
+        lse = tl.where(isbad, float("nan"), lse)
+        obase = OUT + b * sob + h * soh + pid_s * sos
+        tl.store(obase + rows[:, None] * sor + dv[None, :] * sod, out, mask=rmask[:, None] & (dv[None, :] < DV))
+        tl.store(LSE + b * slb + h * slh + pid_s * sls + rows * slr, lse, mask=rmask)
+
+    return split_kv_fwd
+
+
+def _rows2(t: Tensor | None) -> tuple[Tensor | None, int, int]:
+    if t is None:
+        return None, 0, 0
+    return t, t.stride(0), t.stride(1)
+
+
+@torch.library.custom_op("treeattn::split_kv_attention", mutates_args=())
+def split_kv_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lo: Tensor | None,
+    hi: Tensor | None,
+    scale: float,
+    softcap: float,
+    splits: int,
+    row_bounds: bool,
+) -> tuple[Tensor, Tensor]:
+    """Partial states per key split: ``q [B, H, R, D]``, ``k/v [B, H, S, D|Dv]``, ``lo/hi``
+    int ``[B, R]`` or None, ``softcap`` 0 for none. Returns float32 ``out [B, H, splits, R, Dv]``
+    and ``lse [B, H, splits, R]``."""
+    B, H, R, D = q.shape
+    S, Dv = k.shape[2], v.shape[3]
+    out = torch.empty(B, H, splits, R, Dv, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, H, splits, R, dtype=torch.float32, device=q.device)
+    if out.numel() == 0 or lse.numel() == 0:
+        return out, lse
+    bm, bn, bd, bdv = _blocks(R, D, Dv)
+    split_len = -(-max(S, 1) // splits)
+    split_len = -(-split_len // bn) * bn
+    lo_t, slob, slor = _rows2(lo)
+    hi_t, shib, shir = _rows2(hi)
+    grid = (-(-R // bm), B * H, splits)
+    cap = float(softcap)
+    interp = q.device.type == "cpu"  # the interpreter's tl.dot misreads bfloat16 operands
+    _kernel()[grid](
+        q, k, v, lo_t if lo_t is not None else q, hi_t if hi_t is not None else q, out, lse,
+        *q.stride(), *k.stride(), *v.stride(), slob, slor, shib, shir, *out.stride(), *lse.stride(),
+        H, R, S, D, Dv, split_len, scale * _LOG2E, scale / cap if cap else 0.0, cap * _LOG2E,
+        HAS_LO=lo is not None, HAS_HI=hi is not None, SOFTCAP=cap > 0, ROW_BOUNDS=row_bounds,
+        IEEE=q.dtype == torch.float32 or interp, F32DOT=interp, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BLOCK_DV=bdv,
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    return out, lse
+
+
+@split_kv_attention.register_fake
+def _(q, k, v, lo, hi, scale, softcap, splits, row_bounds):
+    B, H, R, _ = q.shape
+    out = q.new_empty(B, H, splits, R, v.shape[3], dtype=torch.float32)
+    return out, q.new_empty(B, H, splits, R, dtype=torch.float32)
+
+
+def triton_attention(
+    qg: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    lo: Tensor | None,
+    hi: Tensor | None,
+    softcap: float | None,
+    row_bounds: bool,
+) -> tuple[Tensor, Tensor]:
+    """Grouped-row attention: ``qg [B, H, R, D]`` (row ``g*Tq + i``), ``k/v [B, H, S, D|Dv]``,
+    ``lo/hi`` int ``[B, R]`` (views with zero strides are fine) or None. ``row_bounds``: rows
+    of one sequence may have different bounds. Returns float32 ``(out [B, H, R, Dv],
+    lse [B, H, R])``. No device-to-host read."""
+    B, H, R, _ = qg.shape
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    splits = num_splits(B, H, R, k.shape[2], qg.device)
+    out, lse = split_kv_attention(qg, k, v, lo, hi, float(scale), float(softcap or 0.0), splits, bool(row_bounds))
+    if splits == 1:
+        return out[:, :, 0], lse[:, :, 0]
+    return merge_states_n(out, lse, dim=2)
