@@ -1,5 +1,9 @@
 """Thin metered wrappers over torch.distributed (tensors only, nothing is pickled).
 
+Under gloo, CUDA tensors are staged through host memory (gloo's CUDA support is partial and
+its send/recv of CUDA tensors kills the process), so several ranks can share one GPU in
+tests; NCCL takes them directly.
+
 A backend failure inside a wrapper (gloo/NCCL timeout, a peer that closed its connection,
 ...) is re-raised as :class:`CollectiveError` naming the operation, the caller, this rank
 and the group size, chained to the backend's own exception. The success path adds nothing
@@ -78,6 +82,16 @@ def world(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def _staged(t: Tensor, group: dist.ProcessGroup | None) -> bool:
+    """Whether ``t`` must travel through host memory: a non-CPU tensor on a gloo group."""
+    if t.device.type == "cpu":
+        return False
+    try:
+        return dist.get_backend(group) == "gloo"
+    except (RuntimeError, ValueError):
+        return False
+
+
 def all_reduce(t: Tensor, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup | None) -> Tensor:
     """In place when ``t`` is contiguous; use the returned tensor. Ranks may hold the same
     logical tensor in different memory layouts: the backend reduces storage order, so a
@@ -87,10 +101,13 @@ def all_reduce(t: Tensor, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup 
         t = t.contiguous()
         n = t.numel() * t.element_size()
         meter.record("all_reduce", 2 * (p - 1) / p * n, 2 * (p - 1) / p * n)
+        via = t.cpu() if _staged(t, group) else t
         try:
-            dist.all_reduce(t, op=op, group=group)
+            dist.all_reduce(via, op=op, group=group)
         except RuntimeError as e:
             raise _failure("all_reduce", group, e) from e
+        if via is not t:
+            t.copy_(via)
     return t
 
 
@@ -99,14 +116,15 @@ def all_gather(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     _, p = world(group)
     if p == 1:
         return t.unsqueeze(0)
-    out = torch.empty(p * t.numel(), dtype=t.dtype, device=t.device)
+    stage = _staged(t, group)
+    out = torch.empty(p * t.numel(), dtype=t.dtype, device="cpu" if stage else t.device)
     n = t.numel() * t.element_size()
     meter.record("all_gather", (p - 1) * n, (p - 1) * n)
     try:
-        _all_gather_flat(out, t.reshape(-1).contiguous(), group=group)
+        _all_gather_flat(out, (t.cpu() if stage else t).reshape(-1).contiguous(), group=group)
     except RuntimeError as e:
         raise _failure("all_gather", group, e) from e
-    return out.view(p, *t.shape)
+    return out.view(p, *t.shape).to(t.device)
 
 
 def all_to_all(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
@@ -114,7 +132,8 @@ def all_to_all(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     _, p = world(group)
     if p == 1:
         return t
-    t = t.contiguous()
+    device = t.device
+    t = t.cpu() if _staged(t, group) else t.contiguous()
     out = torch.empty_like(t)
     n = t.numel() * t.element_size()
     meter.record("all_to_all", (p - 1) * n // p, (p - 1) * n // p)
@@ -122,22 +141,27 @@ def all_to_all(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
         dist.all_to_all_single(out, t, group=group)
     except RuntimeError as e:
         raise _failure("all_to_all", group, e) from e
-    return out
+    return out.to(device)
 
 
 class _Request:
-    """A point-to-point request whose ``wait()`` raises :class:`CollectiveError`."""
+    """A point-to-point request whose ``wait()`` raises :class:`CollectiveError`; ``done``
+    (a staged receive) copies the host buffer to its device target after the wait."""
 
-    __slots__ = ("_work", "_group")
+    __slots__ = ("_work", "_group", "_done")
 
-    def __init__(self, work, group) -> None:
-        self._work, self._group = work, group
+    def __init__(self, work, group, done=None) -> None:
+        self._work, self._group, self._done = work, group, done
 
     def wait(self, *args, **kwargs):
         try:
-            return self._work.wait(*args, **kwargs)
+            r = self._work.wait(*args, **kwargs)
         except RuntimeError as e:
             raise _failure("send-recv", self._group, e, "ring") from e
+        if self._done is not None:
+            self._done()
+            self._done = None
+        return r
 
     def __getattr__(self, name: str):
         return getattr(self._work, name)
@@ -150,18 +174,25 @@ def sendrecv(send: list[Tensor], dst: int, recv: list[Tensor], src: int, group: 
     match same-tag messages out of order)."""
     g = group_or_world(group)
     gd, gs = dist.get_global_rank(g, dst), dist.get_global_rank(g, src)
-    ops = []
+    ops, done = [], []
     for i, t in enumerate(send):
         meter.record("send", t.numel() * t.element_size(), 0)
-        ops.append(dist.P2POp(dist.isend, t, gd, group, tag=i))
+        ops.append(dist.P2POp(dist.isend, t.cpu() if _staged(t, group) else t, gd, group, tag=i))
+        done.append(None)
     for i, t in enumerate(recv):
         meter.record("recv", 0, t.numel() * t.element_size())
-        ops.append(dist.P2POp(dist.irecv, t, gs, group, tag=i))
+        via = t
+        if _staged(t, group):
+            via = torch.empty(t.shape, dtype=t.dtype)
+            done.append(lambda t=t, via=via: t.copy_(via))
+        else:
+            done.append(None)
+        ops.append(dist.P2POp(dist.irecv, via, gs, group, tag=i))
     try:
         reqs = dist.batch_isend_irecv(ops)
     except RuntimeError as e:
         raise _failure("send-recv", group, e, "ring") from e
-    return [_Request(r, group) for r in reqs]
+    return [_Request(r, group, d) for r, d in zip(reqs, done, strict=True)]
 
 
 def broadcast(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
@@ -175,6 +206,8 @@ def broadcast(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
         via = t
         if t.device.type == "cpu" and dist.get_backend(group) == "nccl":
             via = t.to(torch.device("cuda", torch.cuda.current_device()))
+        elif _staged(t, group):
+            via = t.cpu()
         try:
             dist.broadcast(via, src=src, group=group)
         except RuntimeError as e:

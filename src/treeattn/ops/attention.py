@@ -116,6 +116,7 @@ def attention_with_lse(
     kv_start: Tensor | None = None,
     softcap: float | None = None,
     backend: Backend = "auto",
+    check: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Exact attention of ``q`` over ``k``/``v`` that also returns the log-sum-exp.
 
@@ -144,7 +145,14 @@ def attention_with_lse(
             each KV head for all its query heads, pure-PyTorch fallback without a compiler;
             CPU, float32/bfloat16/float16), ``"fused_cuda"`` (flash-attn / PyTorch's fused
             CUDA kernels that return the log-sum-exp; CUDA), or ``"auto"`` (the faster exact
-            one for the call; measurements next to ``_pick_backend`` and in the README).
+            one for the call; measurements next to ``_pick_backend`` and in the README),
+            ``"triton"`` (split-KV flash attention in Triton: the G query heads of a KV
+            head share every K/V load, per-row key bounds, softcap; CUDA, or CPU under
+            ``TRITON_INTERPRET=1``; float16/bfloat16/float32; what ``auto`` picks on CUDA
+            when triton is installed).
+        check: validate values too (q finite, kv_lens/kv_start in range): one host sync.
+            With ``check=False`` only shapes, dtypes and devices are checked, and on CUDA
+            the call reads nothing from the device (CUDA-graph and decode-loop friendly).
 
     Returns:
         ``(out, lse)``: ``out [B, Hq, Tq, Dv]`` in q's dtype and ``lse [B, Hq, Tq]``
@@ -163,7 +171,7 @@ def attention_with_lse(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    check_attention_inputs(q, k, v, kv_lens, scale=scale, kv_start=kv_start, softcap=softcap)
+    check_attention_inputs(q, k, v, kv_lens, scale=scale, kv_start=kv_start, softcap=softcap, check_values=check)
     return _attention(
         q, k, v, scale=scale, kv_lens=kv_lens, causal=causal, kv_start=kv_start, softcap=softcap, backend=backend
     )
@@ -337,7 +345,7 @@ def _per_row(t: Tensor, B: int, Tq: int, R: int, device: torch.device) -> Tensor
     t = t.to(device=device, dtype=torch.int64)
     if t.ndim == 1:
         return t.view(B, 1, 1, 1).expand(B, 1, R, 1)
-    return t[:, torch.arange(R, device=device) % Tq].view(B, 1, R, 1)
+    return t.repeat(1, R // Tq).view(B, 1, R, 1)  # row r = g * Tq + i takes query i
 
 
 def _row_bounds(

@@ -1,0 +1,129 @@
+"""The Triton split-KV kernel (backend "triton") against float64: on CUDA where a GPU is at
+hand, on CPU tensors under TRITON_INTERPRET=1 (set by tests/conftest.py without CUDA)."""
+
+import itertools
+import os
+
+import pytest
+import torch
+
+from reference import assert_within_tolerance
+from test_window_softcap import check, make
+from treeattn import attention_with_lse
+from treeattn.ops import _triton_attn as T
+
+import triton  # noqa: F401  (the 'gpu' extra, part of `make test`'s install: never skipped)
+
+
+def _devices():
+    out = []
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        out.append("cpu")
+    if torch.cuda.is_available():
+        out.append("cuda")
+    return out or ["none"]
+
+
+@pytest.fixture(params=_devices())
+def dev(request):
+    if request.param == "none":
+        pytest.fail("neither CUDA nor TRITON_INTERPRET=1: tests/conftest.py sets the latter without a GPU")
+    return request.param
+
+
+def on(dev, *ts):
+    return [t.to(dev) for t in ts]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads,Tq", [((8, 8), 1), ((12, 4), 4), ((8, 1), 3)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_vs_float64_ragged_empty_and_garbage(dev, dtype, heads, Tq, causal):
+    """kv_lens with a full, an empty and a short row whose unused slots hold NaN; enough keys
+    for several splits (the merge runs)."""
+    g = torch.Generator().manual_seed(0)
+    S = 700
+    q = torch.randn(3, heads[0], Tq, 64, generator=g).to(dtype)
+    k = torch.randn(3, heads[1], S, 64, generator=g).to(dtype)
+    v = torch.randn(3, heads[1], S, 64, generator=g).to(dtype)
+    kv_lens = torch.tensor([S, 0, 33])
+    k[2, :, 33:] = float("nan")
+    v[2, :, 33:] = float("nan")
+    assert T.num_splits(3, heads[1], heads[0] // heads[1] * Tq, S, torch.device(dev)) > 1 or dev == "cuda"
+    out, lse = attention_with_lse(*on(dev, q, k, v), kv_lens=kv_lens.to(dev), causal=causal, backend="triton")
+    k[2, :, 33:] = 0
+    v[2, :, 33:] = 0
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_within_tolerance(out.cpu(), lse.cpu(), q, k, v, kv_lens=kv_lens, causal=causal)
+
+
+@pytest.mark.parametrize(
+    "shape,mode,cap",
+    list(itertools.product([(1, 8, 2, 1, 80, 48), (2, 6, 3, 4, 128, 128), (3, 4, 1, 2, 32, 32)], ["seq", "row"], [None, 5.0])),
+)
+def test_windows_softcap_head_dims(dev, shape, mode, cap):
+    """kv_start per sequence and per query, softcap, D != Dv and D not a power of two."""
+    B, Hq, Hkv, Tq, D, Dv = shape
+    q, k, _ = make(B, Hq, Hkv, Tq, 300, D, torch.bfloat16)
+    v = torch.randn(B, Hkv, 300, Dv).bfloat16()
+    lens = torch.tensor([300, 170, 9][:B])
+    start = torch.tensor([0, 150, 5][:B])
+    if mode == "row":
+        start = (start.view(B, 1) + torch.arange(Tq)).clamp(max=300)
+    out, lse = attention_with_lse(*on(dev, q, k, v), kv_start=start.to(dev), kv_lens=lens.to(dev),
+                                  causal=True, softcap=cap, backend="triton")  # fmt: skip
+    check(out.cpu(), lse.cpu(), q, k, v, kv_lens=lens, causal=True, kv_start=start, softcap=cap)
+
+
+def test_prefill_rows_per_row_bounds(dev):
+    """A causal prefill block as one call: 96 query rows (many row blocks), per-row kv_end."""
+    from treeattn.ops.attention import _attention
+
+    q, k, v = make(1, 6, 2, 96, 96, 64, torch.float32)
+    end = (torch.arange(96) + 1).view(1, 96)
+    out, lse = _attention(*on(dev, q, k, v), kv_end=end.to(dev), backend="triton", keep_fp32=True)
+    check(out.cpu(), lse.cpu(), q, k, v, causal=True)
+
+
+def test_nan_contract(dev):
+    """A visible NaN key makes its rows NaN; a NaN or inf value reaches only the rows that
+    weigh it, in its own dims; an empty row is (0, -inf)."""
+    q, k, v = make(1, 2, 1, 3, 200, 32, torch.float32)
+    ref_o, ref_l = attention_with_lse(q, k, v, causal=True, backend="torch")
+    k2, v2 = k.clone(), v.clone()
+    v2[0, 0, 199, 5] = float("nan")  # the last key: only the last query sees it
+    v2[0, 0, 198, 7] = float("inf")  # the two last queries see it
+    out, lse = attention_with_lse(*on(dev, q, k2, v2), causal=True, backend="triton")
+    out, lse = out.cpu(), lse.cpu()
+    rows = out.view(2, 3, 32)
+    assert rows[:, 2, 5].isnan().all() and rows[:, 1:, 7].isposinf().all()
+    assert torch.isfinite(rows[:, 0]).all() and torch.allclose(rows[:, 0], ref_o.view(2, 3, 32)[:, 0], atol=1e-5)
+    assert torch.allclose(lse, ref_l, atol=1e-5)  # values never touch the lse
+    k2 = k.clone()
+    k2[0, 0, 10, 0] = float("nan")  # every row sees key 10
+    out, lse = attention_with_lse(*on(dev, q, k2, v), kv_lens=torch.tensor([150], device=dev), backend="triton")
+    assert out.isnan().all() and lse.isnan().all()
+    out, lse = attention_with_lse(*on(dev, q, k2, v), kv_start=torch.tensor([11], device=dev), backend="triton")
+    assert torch.isfinite(out).all()  # the window hides the NaN key
+    out, lse = attention_with_lse(*on(dev, q, k, v), kv_lens=torch.tensor([0], device=dev), backend="triton")
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+def test_custom_op_registration(dev):
+    """Schema, fake implementation and autograd registration agree (torch.library.opcheck)."""
+    q, k, v = on(dev, *make(1, 4, 2, 1, 300, 32, torch.float32))
+    hi = torch.tensor([[250, 250]], device=dev)
+    torch.library.opcheck(
+        torch.ops.treeattn.split_kv_attention.default,
+        (q.reshape(1, 2, 2, 32), k, v, None, hi, 0.2, 0.0, 2, False),
+        test_utils=("test_schema", "test_faketensor"),
+    )
+
+
+def test_auto_picks_triton_on_cuda_only():
+    from treeattn.ops.attention import _pick_backend
+
+    q = torch.zeros(1, 4, 1, 64)
+    assert _pick_backend(q, q, q) != "triton"  # CPU tensors: never, even under the interpreter
+    with pytest.raises(ValueError, match="triton"):
+        attention_with_lse(q.double(), q.double(), q.double(), backend="triton")
