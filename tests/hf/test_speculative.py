@@ -276,12 +276,12 @@ def contrastive_reference(m, ids, new: int, alpha: float, k: int) -> list[int]:
     dec = m.get_decoder()
     with torch.no_grad():
         for _ in range(new):
-            H = dec(torch.tensor([seq])).last_hidden_state[0]
+            H = dec(torch.tensor([seq], device=ids.device)).last_hidden_state[0]
             p = torch.softmax(m.get_output_embeddings()(H[-1]), -1)
             top_p, top_i = p.topk(k)
             scores = []
             for pv, v in zip(top_p.tolist(), top_i.tolist(), strict=True):
-                hv = dec(torch.tensor([seq + [v]])).last_hidden_state[0, -1]
+                hv = dec(torch.tensor([seq + [v]], device=ids.device)).last_hidden_state[0, -1]
                 sim = torch.nn.functional.cosine_similarity(hv[None], H, dim=-1).max().item()
                 scores.append((1 - alpha) * pv - alpha * sim)
             seq.append(top_i.tolist()[max(range(k), key=lambda i: (scores[i], -i))])

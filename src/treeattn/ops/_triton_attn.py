@@ -32,6 +32,7 @@ __all__ = ["triton_available", "triton_attention", "num_splits"]
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+PROGRAMS_PER_SM = 4  # decode's split count aims at this many programs per SM
 
 
 def interpreting() -> bool:
@@ -69,14 +70,14 @@ def triton_next_pow2(n: int) -> int:
 
 
 def num_splits(B: int, H: int, R: int, S: int, device: torch.device) -> int:
-    """Key splits per (sequence, KV head, row block): enough programs for ~4 per SM, each
+    """Key splits per (sequence, KV head, row block): ``PROGRAMS_PER_SM`` programs per SM, each
     split at least 256 keys. A pure function of host-known shapes (no device read). Under the
     interpreter (CPU tensors) up to 3, so that tests run the merge."""
     if device.type == "cpu":
         return max(1, min(3, -(-S // 256)))
     bm, bn = _blocks(R, 16, 16)[:2]
     programs = B * H * -(-R // bm)
-    want = -(-4 * _sm_count(device) // programs)
+    want = -(-PROGRAMS_PER_SM * _sm_count(device) // programs)
     return max(1, min(want, -(-S // 256)))
 
 

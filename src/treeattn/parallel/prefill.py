@@ -10,6 +10,7 @@ from torch import Tensor
 from ..comm.collectives import all_gather, all_to_all, world
 from ..comm.strategies import STRATEGIES, reduce_states
 from ..ops._prefill_cpu import prefill_states
+from ..ops._triton_attn import triton_available
 from ..ops.attention import _attention, all_finite
 from ..ops.state import empty_state, merge_into
 from ._common import check_window
@@ -63,6 +64,11 @@ def causal_states(
         st = prefill_states(q, k, v, start, end, scale, softcap, backend)  # one call, per-row bounds
         if st is not None:
             return st
+        if q.device.type == "cuda" and backend in ("auto", "triton") and triton_available(q):  # one Triton call
+            kw = dict(kv_end=end.to(q.device).expand(B, -1))
+            if start is not None:
+                kw["kv_start"] = start.to(q.device).expand(B, -1)
+            return _attention(q, k, v, scale=scale, softcap=softcap, backend="triton", keep_fp32=True, **kw)
     if ordered and window is None:
         split = _causal_blocks(q, k, v, end, scale, softcap, backend)
         if split is not None:

@@ -1,0 +1,144 @@
+"""The GPU decode kernel table: treeattn's local op against PyTorch SDPA, as % of the HBM
+read floor (K+V bytes / the rate of a 2 GiB ``sum`` on the same GPU), CUDA events, medians.
+
+    python benchmarks/gpu_kernel.py                       # bf16 and fp32, B 1 and 8, S 32k..1M
+    python benchmarks/gpu_kernel.py --quick               # a few shapes
+    python benchmarks/gpu_kernel.py --json out.json
+
+Columns (same q/k/v, one run, variants interleaved per shape): ``treeattn`` =
+``attention_with_lse(check=False)`` with ``backend="auto"`` (the Triton split-KV kernel on
+CUDA), ``ragged`` = the same with ``kv_lens`` (every row full: the ragged path's cost),
+``fused_cuda`` = the aten kernels on folded rows (what auto used before), ``sdpa`` =
+``F.scaled_dot_product_attention(enable_gqa=True)`` (no lse). ``tree_decode p=1`` reports
+tree_decode(check=False) on a one-rank NCCL group minus the local op, in microseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+
+import torch
+import torch.nn.functional as F
+
+from treeattn import attention_with_lse, tree_decode
+
+
+def timed(fn, reps: int, warmup: int = 5) -> float:
+    """Median ms of ``reps`` calls, each timed by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def read_rate() -> float:
+    """Bytes/s of a 2 GiB sum (the floor's rate)."""
+    x = torch.ones(1 << 29, dtype=torch.float32, device="cuda")
+    ms = timed(lambda: x.sum(), 20)
+    del x
+    return (1 << 31) / (ms / 1e3)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--seq", type=int, nargs="+", default=[32768, 131072, 524288, 1048576])
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    ap.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("HQ", "HKV"))
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--max-gb", type=float, default=40.0, help="skip shapes whose K+V exceed this")
+    ap.add_argument("--per-sm", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="split-count sweep")
+    ap.add_argument("--sweep-seq", type=int, nargs="+", default=[32768, 131072, 1048576])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", help="write the rows here")
+    a = ap.parse_args()
+    if a.quick:
+        a.batch, a.seq, a.reps = [1], [32768, 1048576], 10
+    torch.manual_seed(0)
+    rate = read_rate()
+    dev = torch.cuda.get_device_name()
+    print(f"{dev}; read rate {rate / 1e12:.2f} TB/s (2 GiB sum); Hq/Hkv {a.heads[0]}/{a.heads[1]} x {a.dim}; "
+          f"medians of {a.reps} CUDA-event timings\n")  # fmt: skip
+    print("| dtype | B | S | floor ms | treeattn ms (% floor) | ragged ms | fused_cuda ms | sdpa ms (% floor) | treeattn / sdpa |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    Hq, Hkv, D = a.heads[0], a.heads[1], a.dim
+    for dname in a.dtypes:
+        dt = getattr(torch, dname)
+        for B in a.batch:
+            for S in a.seq:
+                nbytes = 2 * B * Hkv * S * D * dt.itemsize
+                if nbytes > a.max_gb * 1e9:
+                    print(f"| {dname} | {B} | {S} | skipped: K+V {nbytes / 1e9:.0f} GB > --max-gb |")
+                    continue
+                q = torch.randn(B, Hq, 1, D, device="cuda", dtype=dt)
+                k = torch.randn(B, Hkv, S, D, device="cuda", dtype=dt)
+                v = torch.randn(B, Hkv, S, D, device="cuda", dtype=dt)
+                lens = torch.full((B,), S, device="cuda")
+                floor = nbytes / rate * 1e3
+                t = {
+                    "treeattn": timed(lambda: attention_with_lse(q, k, v, check=False), a.reps),
+                    "ragged": timed(lambda: attention_with_lse(q, k, v, kv_lens=lens, check=False), a.reps),
+                    "fused_cuda": timed(lambda: attention_with_lse(q, k, v, backend="fused_cuda", check=False), a.reps),
+                    "sdpa": timed(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), a.reps),
+                }
+                row = dict(dtype=dname, B=B, S=S, floor_ms=floor, **{f"{n}_ms": x for n, x in t.items()})
+                rows.append(row)
+                print(f"| {dname} | {B} | {S} | {floor:.3f} | {t['treeattn']:.3f} ({100 * floor / t['treeattn']:.0f} %) | "
+                      f"{t['ragged']:.3f} | {t['fused_cuda']:.3f} | {t['sdpa']:.3f} ({100 * floor / t['sdpa']:.0f} %) | "
+                      f"{t['treeattn'] / t['sdpa']:.2f} |", flush=True)  # fmt: skip
+                del q, k, v
+                torch.cuda.empty_cache()
+    # the split count: programs per SM (bf16, B = 1)
+    from treeattn.ops import _triton_attn as T
+
+    print("\n| S | " + " | ".join(f"{n}/SM ms" for n in a.per_sm) + " |")
+    print("|---|" + "---|" * len(a.per_sm))
+    default = T.PROGRAMS_PER_SM
+    for S in a.sweep_seq:
+        q = torch.randn(1, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, Hkv, S, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(1, Hkv, S, D, device="cuda", dtype=torch.bfloat16)
+        ts = []
+        for n in a.per_sm:
+            T.PROGRAMS_PER_SM = n
+            ts.append(timed(lambda: attention_with_lse(q, k, v, check=False), a.reps))
+        T.PROGRAMS_PER_SM = default
+        rows.append(dict(what="programs per SM", S=S, per_sm=a.per_sm, ms=ts))
+        print(f"| {S} | " + " | ".join(f"{x:.3f}" for x in ts) + " |", flush=True)
+    # tree_decode at p = 1 (NCCL) against the local op
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("nccl", init_method=f"file://{os.path.join(tmp, 's')}", rank=0, world_size=1)
+        print("\n| dtype | S | local op ms | tree_decode p=1 ms | difference µs |")
+        print("|---|---|---|---|---|")
+        for S in (32768, 131072):
+            dt = torch.bfloat16
+            q = torch.randn(1, Hq, 1, D, device="cuda", dtype=dt)
+            k = torch.randn(1, Hkv, S, D, device="cuda", dtype=dt)
+            v = torch.randn(1, Hkv, S, D, device="cuda", dtype=dt)
+            loc = timed(lambda: attention_with_lse(q, k, v, check=False), a.reps)
+            tre = timed(lambda: tree_decode(q, k, v, check=False), a.reps)
+            rows.append(dict(what="tree_decode p=1", S=S, local_ms=loc, tree_ms=tre))
+            print(f"| bfloat16 | {S} | {loc:.3f} | {tre:.3f} | {1e3 * (tre - loc):.0f} |", flush=True)
+        dist.destroy_process_group()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(device=dev, read_rate=rate, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
