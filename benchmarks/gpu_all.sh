@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The GPU suite and both GPU benchmarks in one go (a CUDA machine; OUT=dir for the logs).
+# The GPU suite and both GPU benchmarks in one go, on a CUDA machine, logs under OUT:
 #   bash benchmarks/gpu_all.sh [OUT]
+# Order: the op tests (fast), the kernel table, the end-to-end table, then the multi-process
+# suite (tests/gpu). Each step has a time limit (seconds, from the environment).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-results/gpu}
@@ -8,8 +10,14 @@ mkdir -p "$out"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 rc=0
-timeout ${SUITE_TIMEOUT:-360} $PY -m pytest -q -rs -p no:cacheprovider tests/gpu tests/ops/test_fused_cuda.py \
-    tests/ops/test_triton_attn.py tests/ops/test_no_host_sync.py 2>&1 | tee "$out/suite.log" || rc=1
-timeout ${BENCH_TIMEOUT:-200} $PY benchmarks/gpu_kernel.py --json "$out/kernel.json" 2>&1 | tee "$out/kernel.md" || rc=1
-timeout ${BENCH_TIMEOUT:-200} $PY benchmarks/gpu_e2e.py --json "$out/e2e.json" 2>&1 | tee "$out/e2e.md" || rc=1
+step() {  # step LIMIT LOG CMD...
+    local limit=$1 log=$2
+    shift 2
+    timeout "$limit" "$@" 2>&1 | tee "$out/$log" || rc=1
+}
+step "${OPS_TIMEOUT:-150}" ops.log $PY -m pytest -q -rs -p no:cacheprovider tests/ops/test_fused_cuda.py \
+    tests/ops/test_triton_attn.py tests/ops/test_no_host_sync.py
+step "${KERNEL_TIMEOUT:-150}" kernel.md $PY benchmarks/gpu_kernel.py --json "$out/kernel.json"
+step "${E2E_TIMEOUT:-150}" e2e.md $PY benchmarks/gpu_e2e.py --json "$out/e2e.json"
+step "${SUITE_TIMEOUT:-400}" suite.log $PY -m pytest -q -rs -p no:cacheprovider tests/gpu
 exit $rc
