@@ -1,3 +1,4 @@
+# ruff: noqa: B023  (each lambda is timed at once, inside its loop iteration)
 """The GPU decode kernel table: treeattn's local op against PyTorch SDPA, as % of the HBM
 read floor (K+V bytes / the rate of a 2 GiB ``sum`` on the same GPU), CUDA events, medians.
 
@@ -45,7 +46,7 @@ def timed(fn, reps: int, warmup: int = 5) -> float:
 def read_rate() -> float:
     """Bytes/s of a 2 GiB sum (the floor's rate)."""
     x = torch.ones(1 << 29, dtype=torch.float32, device="cuda")
-    ms = timed(lambda: x.sum(), 20)
+    ms = timed(x.sum, 20)
     del x
     return (1 << 31) / (ms / 1e3)
 
@@ -61,6 +62,8 @@ def main() -> None:
     ap.add_argument("--max-gb", type=float, default=40.0, help="skip shapes whose K+V exceed this")
     ap.add_argument("--per-sm", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="split-count sweep")
     ap.add_argument("--sweep-seq", type=int, nargs="+", default=[32768, 131072, 1048576])
+    ap.add_argument("--configs", type=lambda x: tuple(int(y) for y in x.split(",")), nargs="+",
+                    default=[(64, 4, 2), (64, 4, 3), (128, 4, 3), (128, 8, 3), (64, 4, 4), (32, 4, 4)])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args()
@@ -118,6 +121,30 @@ def main() -> None:
         T.PROGRAMS_PER_SM = default
         rows.append(dict(what="programs per SM", S=S, per_sm=a.per_sm, ms=ts))
         print(f"| {S} | " + " | ".join(f"{x:.3f}" for x in ts) + " |", flush=True)
+    # the kernel's shape: (BLOCK_N, num_warps, num_stages) of the decode and prefill configs
+    print("\n| config (BLOCK_N, warps, stages) | " + " | ".join(f"decode S={S} ms" for S in a.sweep_seq)
+          + " | prefill 4096 rows x 8192 ms |")  # fmt: skip
+    print("|---|" + "---|" * (len(a.sweep_seq) + 1))
+    from treeattn.ops.attention import _attention
+
+    saved = dict(T.DECODE_CONFIG), dict(T.PREFILL_CONFIG)
+    qp = torch.randn(1, Hq, 1024, D, device="cuda", dtype=torch.bfloat16)
+    kp = torch.randn(1, Hkv, 8192, D, device="cuda", dtype=torch.bfloat16)
+    end = (torch.arange(1024, device="cuda") + 8192 - 1024 + 1).view(1, -1)
+    for bn, w, st in a.configs:
+        cfg = dict(BLOCK_N=bn, num_warps=w, num_stages=st)
+        T.DECODE_CONFIG.update(cfg)
+        T.PREFILL_CONFIG.update(cfg)
+        ts = []
+        for S in a.sweep_seq:
+            q = torch.randn(1, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(1, Hkv, S, D, device="cuda", dtype=torch.bfloat16)
+            ts.append(timed(lambda: attention_with_lse(q, k, k, check=False), a.reps))
+        ts.append(timed(lambda: _attention(qp, kp, kp, kv_end=end, backend="triton", keep_fp32=True), a.reps))
+        rows.append(dict(what="config", config=[bn, w, st], ms=ts))
+        print(f"| {bn}, {w}, {st} | " + " | ".join(f"{x:.3f}" for x in ts) + " |", flush=True)
+    T.DECODE_CONFIG.update(saved[0])
+    T.PREFILL_CONFIG.update(saved[1])
     # tree_decode at p = 1 (NCCL) against the local op
     import torch.distributed as dist
 

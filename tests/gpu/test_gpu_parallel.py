@@ -65,7 +65,6 @@ def gpu_prefill_worker() -> None:
     """Ring and Tree causal prefill of CUDA tensors (the Triton kernel with per-row bounds
     locally) against float64 causal attention over the whole sequence."""
     from reference import assert_within_tolerance
-
     from treeattn.parallel.prefill import ring_prefill, tree_prefill
 
     torch.cuda.set_device(0)

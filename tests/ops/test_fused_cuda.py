@@ -21,7 +21,7 @@ def test_plan():
     assert F.plan(h, 128, 128, 4, 1, False, True, None, True) == "flash_attn"
     assert F.plan(h, 128, 128, 4, 4, True, True, 30.0, True) == "flash_attn"  # native softcap
     assert F.plan(h, 128, 128, 4, 1, False, False, None, False) == "aten_flash"
-    assert F.plan(h, 128, 128, 4, 1, False, True, None, False) == "aten_efficient"  # ragged
+    assert F.plan(h, 128, 128, 4, 1, False, True, None, False) == "torch"  # ragged: aten ignores seqlen_k
     assert F.plan(h, 128, 128, 4, 4, True, False, None, False) == "aten_efficient"  # causal rows
     assert F.plan(f32, 128, 128, 1, 1, False, False, None, True) == "aten_efficient"
     assert F.plan(f32, 128, 128, 1, 1, False, False, 30.0, False) == "torch"

@@ -6,13 +6,12 @@ import os
 
 import pytest
 import torch
+import triton  # noqa: F401  (the 'gpu' extra, part of `make test`'s install: never skipped)
+from test_window_softcap import check, make
 
 from reference import assert_within_tolerance
-from test_window_softcap import check, make
 from treeattn import attention_with_lse
 from treeattn.ops import _triton_attn as T
-
-import triton  # noqa: F401  (the 'gpu' extra, part of `make test`'s install: never skipped)
 
 
 def _devices():
@@ -88,11 +87,11 @@ def test_prefill_rows_per_row_bounds(dev):
 def test_nan_contract(dev):
     """A visible NaN key makes its rows NaN; a NaN or inf value reaches only the rows that
     weigh it, in its own dims; an empty row is (0, -inf)."""
-    q, k, v = make(1, 2, 1, 3, 200, 32, torch.float32)
+    q, k, v = make(1, 2, 1, 3, 600, 32, torch.float32)  # 3 splits: the merge kernel keeps the contract too
     ref_o, ref_l = attention_with_lse(q, k, v, causal=True, backend="torch")
     k2, v2 = k.clone(), v.clone()
-    v2[0, 0, 199, 5] = float("nan")  # the last key: only the last query sees it
-    v2[0, 0, 198, 7] = float("inf")  # the two last queries see it
+    v2[0, 0, 599, 5] = float("nan")  # the last key: only the last query sees it
+    v2[0, 0, 598, 7] = float("inf")  # the two last queries see it
     out, lse = attention_with_lse(*on(dev, q, k2, v2), causal=True, backend="triton")
     out, lse = out.cpu(), lse.cpu()
     rows = out.view(2, 3, 32)
@@ -115,7 +114,7 @@ def test_custom_op_registration(dev):
     hi = torch.tensor([[250, 250]], device=dev)
     torch.library.opcheck(
         torch.ops.treeattn.split_kv_attention.default,
-        (q.reshape(1, 2, 2, 32), k, v, None, hi, 0.2, 0.0, 2, False),
+        (q.reshape(1, 2, 2, 32), k, v, None, hi, 0.2, 0.0, False),
         test_utils=("test_schema", "test_faketensor"),
     )
 

@@ -133,7 +133,8 @@ def all_to_all(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     if p == 1:
         return t
     device = t.device
-    t = t.cpu() if _staged(t, group) else t.contiguous()
+    t = t.contiguous()
+    t = t.cpu() if _staged(t, group) else t
     out = torch.empty_like(t)
     n = t.numel() * t.element_size()
     meter.record("all_to_all", (p - 1) * n // p, (p - 1) * n // p)
@@ -177,7 +178,7 @@ def sendrecv(send: list[Tensor], dst: int, recv: list[Tensor], src: int, group: 
     ops, done = [], []
     for i, t in enumerate(send):
         meter.record("send", t.numel() * t.element_size(), 0)
-        ops.append(dist.P2POp(dist.isend, t.cpu() if _staged(t, group) else t, gd, group, tag=i))
+        ops.append(dist.P2POp(dist.isend, t.contiguous().cpu() if _staged(t, group) else t, gd, group, tag=i))
         done.append(None)
     for i, t in enumerate(recv):
         meter.record("recv", 0, t.numel() * t.element_size())
@@ -207,7 +208,7 @@ def broadcast(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
         if t.device.type == "cpu" and dist.get_backend(group) == "nccl":
             via = t.to(torch.device("cuda", torch.cuda.current_device()))
         elif _staged(t, group):
-            via = t.cpu()
+            via = t.contiguous().cpu()
         try:
             dist.broadcast(via, src=src, group=group)
         except RuntimeError as e:

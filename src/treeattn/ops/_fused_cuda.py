@@ -7,7 +7,8 @@ Kernels, in order of preference (:func:`plan` picks one per call):
   the package is installed: native GQA, ragged ``cache_seqlens``, bottom-right causal, softcap.
   fp16/bf16, D == Dv <= 256.
 * ``aten_efficient``: ``torch.ops.aten._efficient_attention_forward`` (memory-efficient
-  kernel, fp16/bf16/fp32): ragged keys through ``seqlen_k``; GQA by folding the G query heads
+  kernel, fp16/bf16/fp32), dense keys (it ignored ``seqlen_k`` on an H200: ragged calls take
+  the torch path); GQA by folding the G query heads
   of a KV head into its query rows (one pass over K/V), which is exact whenever all rows of a
   head see the same keys (no causal mask or Tq == 1); causal Tq > 1 with G > 1 runs one
   bottom-right causal call per group member.
@@ -60,6 +61,8 @@ def plan(
     if has_flash_attn and dtype in _HALF and D == Dv and D <= 256 and D % 8 == 0:
         return "flash_attn"
     if softcap:
+        return "torch"
+    if ragged:  # aten's efficient kernel ignores seqlen_k without cu_seqlens (seen on an H200): exact torch path
         return "torch"
     if D % 8 == 0 and Dv % 8 == 0 and max(D, Dv) <= 256 and dtype in (*_HALF, torch.float32):
         if dtype in _HALF and D == Dv and not ragged and not (causal and Tq > 1):

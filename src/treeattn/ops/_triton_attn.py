@@ -2,7 +2,8 @@
 
 One program takes a block of query rows of one (sequence, KV head) — the G query heads of
 a KV head folded into rows, so K/V are read once for all of them — and one split of the
-keys; the splits' partial states are merged with :func:`~treeattn.ops.state.merge_states_n`.
+keys; a second kernel merges the splits' partial states with the semantics of
+:func:`~treeattn.ops.state.merge_states_n` (one launch instead of a dozen small ops).
 Decode (few rows, long S) runs many splits to fill the GPU; prefill (many rows) one split
 and many row blocks. Every row has its own visible key range ``[lo, hi)`` (kv_lens, causal,
 windows), so the same kernel serves decode, speculative steps and causal prefill.
@@ -12,7 +13,7 @@ beyond ``kv_lens`` cannot leak in. A row with a NaN or +inf score is NaN (out an
 empty row ``(0, -inf)``; with per-row bounds, a non-finite value reaches only the rows that
 weigh it (checked per block, a slow branch taken only when the block holds one).
 
-The kernel is the custom op ``treeattn::split_kv_attention`` with a fake implementation, so
+The kernel (two: the splits, then their merge) is the custom op ``treeattn::split_kv_attention`` with a fake implementation, so
 it composes with FakeTensor and ``torch.compile``. On CPU tensors it runs only under
 ``TRITON_INTERPRET=1`` (how CI tests it). ``triton`` is imported on first use.
 """
@@ -25,8 +26,6 @@ import os
 
 import torch
 from torch import Tensor
-
-from .state import merge_states_n
 
 __all__ = ["triton_available", "triton_attention", "num_splits"]
 
@@ -100,8 +99,8 @@ def _kernel():
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
         pid_s = tl.program_id(2)
-        b = pid_bh // H
-        h = pid_bh % H
+        b = (pid_bh // H).to(tl.int64)  # 64-bit offsets: a batch of long caches passes 2**31 elements
+        h = (pid_bh % H).to(tl.int64)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rmask = rows < R
         dd = tl.arange(0, BLOCK_D)
@@ -189,17 +188,53 @@ def _kernel():
         isbad = bad > 0
         out = tl.where(isbad[:, None], float("nan"), out)
         lse = tl.where(isbad, float("nan"), lse)
-        obase = OUT + b * sob + h * soh + pid_s * sos
+        obase = OUT + b * sob + h * soh + pid_s.to(tl.int64) * sos
         tl.store(obase + rows[:, None] * sor + dv[None, :] * sod, out, mask=rmask[:, None] & (dv[None, :] < DV))
-        tl.store(LSE + b * slb + h * slh + pid_s * sls + rows * slr, lse, mask=rmask)
+        tl.store(LSE + b * slb + h * slh + pid_s.to(tl.int64) * sls + rows * slr, lse, mask=rmask)
 
-    return split_kv_fwd
+    @triton.jit
+    def merge_splits(
+        OP, LP, OUT, LSE, sob, soh, sos, sor, sod, slb, slh, sls, slr, tob, toh, tor, tod, tlb, tlh, tlr,
+        H, R, DV, NS, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ):  # fmt: skip
+        # the semantics of ops.state.merge_states_n over the splits, one program per row
+        pid = tl.program_id(0)
+        r = (pid % R).to(tl.int64)
+        bh = pid // R
+        b = (bh // H).to(tl.int64)
+        h = (bh % H).to(tl.int64)
+        s = tl.arange(0, BLOCK_S)
+        dv = tl.arange(0, BLOCK_DV)
+        smask = s < NS
+        lse = tl.load(LP + b * slb + h * slh + s * sls + r * slr, mask=smask, other=float("-inf"))
+        undefined = tl.max((lse != lse).to(tl.int32), 0) > 0
+        lse = tl.where((lse == lse) & (lse != float("inf")), lse, float("-inf"))
+        m = tl.max(lse, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp(lse - m)
+        tot = tl.sum(w, 0)
+        o = tl.load(OP + b * sob + h * soh + s[:, None] * sos + r * sor + dv[None, :] * sod,
+                    mask=smask[:, None] & (dv[None, :] < DV), other=0.0)  # fmt: skip
+        num = tl.sum(tl.where(w[:, None] > 0, w[:, None] * o, 0.0), 0)
+        out = num / tl.where(tot > 0, tot, 1.0)
+        res = m + tl.log(tl.where(tot > 0, tot, 0.0))
+        out = tl.where(undefined, float("nan"), out)
+        res = tl.where(undefined, float("nan"), res)
+        tl.store(OUT + b * tob + h * toh + r * tor + dv * tod, out, mask=dv < DV)
+        tl.store(LSE + b * tlb + h * tlh + r * tlr, res)
+
+    return split_kv_fwd, merge_splits
 
 
 def _rows2(t: Tensor | None) -> tuple[Tensor | None, int, int]:
     if t is None:
         return None, 0, 0
     return t, t.stride(0), t.stride(1)
+
+
+# kernel shapes (measured on an H200, benchmarks/gpu_kernel.py: the sweep table in docs/benchmarks.md)
+DECODE_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=2)  # few rows per (sequence, KV head)
+PREFILL_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=2)  # row blocks of 64
 
 
 @torch.library.custom_op("treeattn::split_kv_attention", mutates_args=())
@@ -211,42 +246,54 @@ def split_kv_attention(
     hi: Tensor | None,
     scale: float,
     softcap: float,
-    splits: int,
     row_bounds: bool,
 ) -> tuple[Tensor, Tensor]:
-    """Partial states per key split: ``q [B, H, R, D]``, ``k/v [B, H, S, D|Dv]``, ``lo/hi``
-    int ``[B, R]`` or None, ``softcap`` 0 for none. Returns float32 ``out [B, H, splits, R, Dv]``
-    and ``lse [B, H, splits, R]``."""
+    """Attention states of ``q [B, H, R, D]`` over ``k/v [B, H, S, D|Dv]`` (last dims
+    contiguous), ``lo/hi`` int ``[B, R]`` or None, ``softcap`` 0 for none: float32
+    ``out [B, H, R, Dv]`` and ``lse [B, H, R]``. The key splits (:func:`num_splits`) are
+    merged by a second kernel with :func:`~treeattn.ops.state.merge_states_n`'s semantics."""
     B, H, R, D = q.shape
     S, Dv = k.shape[2], v.shape[3]
-    out = torch.empty(B, H, splits, R, Dv, dtype=torch.float32, device=q.device)
-    lse = torch.empty(B, H, splits, R, dtype=torch.float32, device=q.device)
+    splits = num_splits(B, H, R, S, q.device)
+    out = torch.empty(B, H, R, Dv, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, H, R, dtype=torch.float32, device=q.device)
     if out.numel() == 0 or lse.numel() == 0:
         return out, lse
-    bm, bn, bd, bdv = _blocks(R, D, Dv)
+    cfg = DECODE_CONFIG if splits > 1 or R <= 16 else PREFILL_CONFIG
+    bm, _, bd, bdv = _blocks(R, D, Dv)
+    bn = cfg["BLOCK_N"]
     split_len = -(-max(S, 1) // splits)
     split_len = -(-split_len // bn) * bn
+    po, pl = out.unsqueeze(2), lse.unsqueeze(2)  # [B, H, 1, R(, Dv)]: one split writes the result
+    if splits > 1:
+        po = torch.empty(B, H, splits, R, Dv, dtype=torch.float32, device=q.device)
+        pl = torch.empty(B, H, splits, R, dtype=torch.float32, device=q.device)
     lo_t, slob, slor = _rows2(lo)
     hi_t, shib, shir = _rows2(hi)
-    grid = (-(-R // bm), B * H, splits)
     cap = float(softcap)
     interp = q.device.type == "cpu"  # the interpreter's tl.dot misreads bfloat16 operands
-    _kernel()[grid](
-        q, k, v, lo_t if lo_t is not None else q, hi_t if hi_t is not None else q, out, lse,
-        *q.stride(), *k.stride(), *v.stride(), slob, slor, shib, shir, *out.stride(), *lse.stride(),
+    fwd, merge = _kernel()
+    fwd[(-(-R // bm), B * H, splits)](
+        q, k, v, lo_t if lo_t is not None else q, hi_t if hi_t is not None else q, po, pl,
+        *q.stride(), *k.stride(), *v.stride(), slob, slor, shib, shir, *po.stride(), *pl.stride(),
         H, R, S, D, Dv, split_len, scale * _LOG2E, scale / cap if cap else 0.0, cap * _LOG2E,
         HAS_LO=lo is not None, HAS_HI=hi is not None, SOFTCAP=cap > 0, ROW_BOUNDS=row_bounds,
-        IEEE=q.dtype == torch.float32 or interp, F32DOT=interp, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BLOCK_DV=bdv,
-        num_warps=4, num_stages=2,
+        IEEE=q.dtype == torch.float32 or interp, F32DOT=interp, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
+        BLOCK_DV=bdv, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
+    if splits > 1:
+        merge[(B * H * R,)](
+            po, pl, out, lse, *po.stride(), *pl.stride(), *out.stride(), *lse.stride(), H, R, Dv, splits,
+            BLOCK_S=triton_next_pow2(splits), BLOCK_DV=bdv,
+        )  # fmt: skip
     return out, lse
 
 
 @split_kv_attention.register_fake
-def _(q, k, v, lo, hi, scale, softcap, splits, row_bounds):
+def _(q, k, v, lo, hi, scale, softcap, row_bounds):
     B, H, R, _ = q.shape
-    out = q.new_empty(B, H, splits, R, v.shape[3], dtype=torch.float32)
-    return out, q.new_empty(B, H, splits, R, dtype=torch.float32)
+    out = q.new_empty(B, H, R, v.shape[3], dtype=torch.float32)
+    return out, q.new_empty(B, H, R, dtype=torch.float32)
 
 
 def triton_attention(
@@ -263,13 +310,8 @@ def triton_attention(
     ``lo/hi`` int ``[B, R]`` (views with zero strides are fine) or None. ``row_bounds``: rows
     of one sequence may have different bounds. Returns float32 ``(out [B, H, R, Dv],
     lse [B, H, R])``. No device-to-host read."""
-    B, H, R, _ = qg.shape
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    splits = num_splits(B, H, R, k.shape[2], qg.device)
-    out, lse = split_kv_attention(qg, k, v, lo, hi, float(scale), float(softcap or 0.0), splits, bool(row_bounds))
-    if splits == 1:
-        return out[:, :, 0], lse[:, :, 0]
-    return merge_states_n(out, lse, dim=2)
+    return split_kv_attention(qg, k, v, lo, hi, float(scale), float(softcap or 0.0), bool(row_bounds))

@@ -213,6 +213,9 @@ def _attention(
     G = Hq // Hkv
     # every row's visible keys are [lo, hi) (AND the optional dense mask), computed here only
     lo, hi = _row_bounds(B, Tq, G, S, kv_lens, causal, kv_start, kv_end, q.device)
+    if backend == "triton":  # straight to the kernel: it reads each row's bounds itself (no trim, no sync)
+        return _triton(q, k, v, scale, lo, hi, softcap, (causal and Tq > 1) or kv_end is not None or (
+            kv_start is not None and kv_start.ndim == 2), mask, keep_fp32)  # fmt: skip
     lo, hi, span, seq = _trim(lo, hi, S, B)
     if span is not None:
         k, v = k[:, :, span[0] : span[1]], v[:, :, span[0] : span[1]]
@@ -239,19 +242,6 @@ def _attention(
         out, lse = decode_cpu(qg, k, v, scale, lo_r, hi_r, softcap)
         if acc == torch.float64:
             out, lse = out.double(), lse.double()
-    elif backend == "triton":
-        from ._triton_attn import triton_attention, triton_available
-
-        if not triton_available(q):
-            raise ValueError(
-                f"backend 'triton' needs triton and CUDA tensors (CPU only under TRITON_INTERPRET=1) of "
-                f"float16/bfloat16/float32, got {q.device} {q.dtype}"
-            )
-        R = qg.shape[2]
-        row_bounds = (causal and Tq > 1) or kv_end is not None or (kv_start is not None and kv_start.ndim == 2)
-        lo_r = None if lo is None else lo.reshape(B, R)
-        hi_r = None if hi is None else hi.reshape(B, R)
-        out, lse = triton_attention(qg, k, v, scale, lo_r, hi_r, softcap, row_bounds)
     elif backend == "fused_cuda":
         from ._fused_cuda import fused_cuda
 
@@ -283,6 +273,26 @@ def _attention(
     else:
         out, lse = _chunked(qg, k, v, scale, lo, hi, vis, seq, softcap)
     return out.to(acc if keep_fp32 else q.dtype).reshape(B, Hq, Tq, Dv), lse.reshape(B, Hq, Tq)
+
+
+def _triton(q, k, v, scale, lo, hi, softcap, row_bounds: bool, mask, keep_fp32: bool) -> tuple[Tensor, Tensor]:
+    from ._triton_attn import triton_attention, triton_available
+
+    if not triton_available(q):
+        raise ValueError(
+            f"backend 'triton' needs triton and CUDA tensors (CPU only under TRITON_INTERPRET=1) of "
+            f"float16/bfloat16/float32, got {q.device} {q.dtype}"
+        )
+    if mask is not None:
+        raise ValueError("backend 'triton' takes no dense mask; use 'torch' or 'flash_cpu'")
+    B, Hq, Tq, D = q.shape
+    Hkv, Dv = k.shape[1], v.shape[3]
+    R = Hq // Hkv * Tq
+    qg = q.reshape(B, Hkv, R, D)
+    lo = None if lo is None else lo.reshape(B, R)
+    hi = None if hi is None else hi.reshape(B, R)
+    out, lse = triton_attention(qg, k, v, scale, lo, hi, softcap, row_bounds)
+    return out.to(torch.float32 if keep_fp32 else q.dtype).reshape(B, Hq, Tq, Dv), lse.reshape(B, Hq, Tq)
 
 
 # Largest rows per KV head (G * Tq) for which auto picks decode_cpu, per dtype (measured,
