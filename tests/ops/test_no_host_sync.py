@@ -151,3 +151,30 @@ def test_the_guard_catches_a_host_read():
             bool((kw["kv_lens"] > 0).all())
         with pytest.raises(DataDependentOutputException):
             attention_with_lse(q, k, v, check=True, **kw)  # check=True validates values: one sync
+
+
+def test_cuda_dispatch_follows_the_measurements():
+    """auto on CUDA (the table above ops.attention._cuda_backend): the Triton kernel, except
+    plain half-precision calls over >= 64 (sequence, KV head) pairs (aten_flash measured
+    faster) and plain float32 calls with many rows per KV head (aten's efficient kernel)."""
+    from treeattn.ops.attention import _pick_backend
+
+    def pick(B, dtype, Tq=1, **kw):
+        q = torch.empty(B, 32, Tq, 128, dtype=dtype, device="cuda")
+        k = torch.empty(B, 8, 1024, 128, dtype=dtype, device="cuda")
+        return _pick_backend(q, k, k, **kw)
+
+    bf, f32 = torch.bfloat16, torch.float32
+    with FakeTensorMode():
+        assert pick(1, bf, plain=True) == "triton"
+        assert pick(8, bf, plain=True) == "fused_cuda"
+        assert pick(8, bf, plain=False) == "triton"  # ragged (kv_lens), windows, softcap
+        assert pick(8, bf, Tq=4, plain=True, causal_rows=True) == "triton"
+        assert pick(8, f32, plain=True) == "triton"  # 4 rows per KV head
+        assert pick(1, f32, Tq=64, plain=True, causal_rows=True) == "fused_cuda"  # a prefill block
+        assert pick(1, f32, Tq=64, plain=False) == "triton"
+        # the aten_flash pick reads nothing from the device either
+        q = torch.empty(8, 32, 1, 128, dtype=bf, device="cuda")
+        k = torch.empty(8, 8, 4096, 128, dtype=bf, device="cuda")
+        out, lse = attention_with_lse(q, k, k, check=False)
+        assert out.shape == q.shape

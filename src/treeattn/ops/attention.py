@@ -203,7 +203,8 @@ def _attention(
     scale = D**-0.5 if scale is None else float(scale)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     if backend == "auto":
-        backend = _pick_backend(q, k, v)
+        plain = kv_lens is None and kv_start is None and kv_end is None and mask is None and softcap is None
+        backend = _pick_backend(q, k, v, plain=plain, causal_rows=causal and Tq > 1)
         if backend in ("decode_cpu", "fused_cuda", "triton") and mask is not None:
             backend = "flash_cpu" if backend == "decode_cpu" and Dv == D else "torch"
     if softcap is not None and backend == "flash_cpu":
@@ -302,7 +303,9 @@ _DECODE_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 16, torch.float16: 128}
 _DECODE_MAX_ROWS_BF16DP = 128
 
 
-def _pick_backend(q: Tensor, k: Tensor, v: Tensor) -> str:
+def _pick_backend(q: Tensor, k: Tensor, v: Tensor, *, plain: bool = False, causal_rows: bool = False) -> str:
+    """The backend ``auto`` runs. ``plain``: no kv_lens, window, per-row bound, mask or softcap
+    (every row sees every key); ``causal_rows``: a causal mask over several queries."""
     # CPU, 1 thread, B=1, D=128, Tq=1 on a shared 2-core EPYC VM (loadavg 4-8), `treeattn bench
     # kernel` (docs/benchmarks.md, "Decode kernel"): decode_cpu beats flash_cpu and torch in
     # every measured row (fp32 16/16 and 32/8, bf16 16/16 and 32/8, S = 16k..256k).
@@ -341,14 +344,45 @@ def _pick_backend(q: Tensor, k: Tensor, v: Tensor) -> str:
             return "flash_cpu"
         return "torch"
     if q.device.type == "cuda":
-        from ._fused_cuda import fused_cuda_supported
-        from ._triton_attn import triton_available
-
-        if triton_available(q):
-            return "triton"
-        if fused_cuda_supported(q, k, v):
-            return "fused_cuda"
+        return _cuda_backend(q, k, v, plain, causal_rows)
     return "torch"
+
+
+# CUDA, one H200 (benchmarks/gpu_kernel.py, 2026-11-26; Hq/Hkv 32/8 x 128, Tq = 1, medians of
+# 30 CUDA-event timings, ms; fused_cuda = aten_flash on the folded rows):
+#   bf16   B  S      triton   fused_cuda   SDPA
+#          1  32k    0.182    0.424        0.063
+#          1  128k   0.309    0.317        0.143
+#          1  512k   0.593    0.688        0.498
+#          1  1M     1.073    1.119        0.984
+#          8  32k    0.433    0.355        0.261
+#          8  128k   1.449    1.093        0.970
+#          8  512k   5.474    4.414        3.873
+#          8  1M     10.809   8.743        7.523
+#   fp32   triton 0.31-6.5 ms at B = 1 and 2.3-8.8 ms at B = 8, against 3.2-98 ms for fused_cuda
+#          (aten's efficient kernel, no key splits) and 1.4-46 ms for SDPA.
+#   fp32 prefill (an 8,192-token prompt through a 1B-shaped model): the Triton kernel's exact
+#          (IEEE) float32 products made time to first token 5.9x transformers', so float32 calls
+#          with many rows and no per-row bounds stay on aten's efficient kernel.
+_FLASH_MIN_PAIRS = 64  # (sequence, KV head) pairs from which aten_flash beat the Triton kernel
+_TRITON_F32_MAX_ROWS = 16  # float32 rows per KV head up to which the Triton kernel runs plain calls
+
+
+def _cuda_backend(q: Tensor, k: Tensor, v: Tensor, plain: bool, causal_rows: bool) -> str:
+    from ._fused_cuda import fused_cuda_supported
+    from ._triton_attn import triton_available
+
+    B, Hq, Tq, D = q.shape
+    Hkv, Dv = k.shape[1], v.shape[3]
+    rows = Hq // Hkv * Tq
+    aten_shape = D % 8 == 0 and Dv % 8 == 0 and max(D, Dv) <= 256 and fused_cuda_supported(q, k, v)
+    if plain and not causal_rows and aten_shape and q.dtype != torch.float32 and D == Dv and B * Hkv >= _FLASH_MIN_PAIRS:
+        return "fused_cuda"
+    if plain and aten_shape and q.dtype == torch.float32 and rows > _TRITON_F32_MAX_ROWS:
+        return "fused_cuda"
+    if triton_available(q):
+        return "triton"
+    return "fused_cuda" if fused_cuda_supported(q, k, v) else "torch"
 
 
 def _per_row(t: Tensor, B: int, Tq: int, R: int, device: torch.device) -> Tensor:

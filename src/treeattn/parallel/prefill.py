@@ -64,7 +64,8 @@ def causal_states(
         st = prefill_states(q, k, v, start, end, scale, softcap, backend)  # one call, per-row bounds
         if st is not None:
             return st
-        if q.device.type == "cuda" and backend in ("auto", "triton") and triton_available(q):  # one Triton call
+        if q.device.type == "cuda" and (backend == "triton" or (backend == "auto" and q.dtype != torch.float32)) \
+                and triton_available(q):  # one Triton call (float32: aten's kernel, see ops.attention._cuda_backend)
             kw = dict(kv_end=end.to(q.device).expand(B, -1))
             if start is not None:
                 kw["kv_start"] = start.to(q.device).expand(B, -1)
