@@ -272,3 +272,23 @@ def test_all_finite_is_exact(dtype):
     pos, neg = ok.clone(), ok.clone()
     pos[0, 0], neg[2, 4] = float("inf"), -float("inf")  # sums +inf and -inf: still caught
     assert not all_finite(pos, neg)
+
+
+def test_strided_last_dim_inputs():
+    """q/k/v whose last dim is not contiguous (a transposed layout) give the contiguous result:
+    PyTorch's CPU flash kernel returned garbage for such q (found through ring_prefill)."""
+    from treeattn.parallel.prefill import causal_states
+
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 4, 7, 16, generator=g), torch.randn(1, 2, 14, 16, generator=g)
+    qs, ks = (t.transpose(2, 3).contiguous().transpose(2, 3) for t in (q, k))
+    assert qs.stride(-1) != 1 and torch.equal(qs, q)
+    for backend in ("flash_cpu", "torch", "decode_cpu", "auto"):
+        for causal in (False, True):
+            a = attention_with_lse(q, k, k, causal=causal, backend=backend)
+            b = attention_with_lse(qs, ks, ks, causal=causal, backend=backend)
+            assert torch.allclose(a[0], b[0], atol=1e-6) and torch.allclose(a[1], b[1], atol=1e-6), (backend, causal)
+    qpos, kpos = torch.arange(7) * 2, torch.arange(1, 14, 2)  # interleaved: query 0 sees no key
+    a = causal_states(q, k[:, :, :7], k[:, :, :7], qpos, kpos)
+    b = causal_states(qs, ks[:, :, :7], ks[:, :, :7], qpos, kpos)
+    assert torch.isfinite(b[0]).all() and torch.allclose(a[0], b[0], atol=1e-6)

@@ -466,6 +466,8 @@ def _flash_cpu(
             hide = hide | ~vis
         mask = torch.zeros((), dtype=qg.dtype, device=qg.device).masked_fill(hide, float("-inf"))
         empty = hide.all(-1)  # [B or 1, 1, R]
+    # PyTorch's CPU flash kernel returns garbage for rows whose last dim is strided (torch 2.13)
+    qg, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (qg, k, v))
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qg, k, v, attn_mask=mask, scale=scale)
     if empty is not None:  # the kernel reports a fully masked row as lse 0 / out 0
         empty = empty.expand_as(lse)

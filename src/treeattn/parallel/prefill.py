@@ -154,6 +154,7 @@ def _triangle(q, k, v, scale, softcap, backend) -> tuple[Tensor, Tensor]:
     if not fused:
         return _attention(q, k, v, scale=scale, softcap=softcap, backend=backend, causal=True, keep_fp32=True)
     s = q.shape[3] ** -0.5 if scale is None else float(scale)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # the kernel misreads strided rows
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True, scale=s)
     return out.to(acc), lse.to(acc)
 
