@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from ._blocks import _chunked
+from .kernels import Call, resolve
 from .state import empty_state
 
 __all__ = ["attention_with_lse", "check_attention_inputs", "BACKENDS"]
@@ -207,10 +208,9 @@ def _attention(
         backend = _pick_backend(q, k, v, plain=plain, causal_rows=causal and Tq > 1)
         if backend in ("decode_cpu", "fused_cuda", "triton") and mask is not None:
             backend = "flash_cpu" if backend == "decode_cpu" and Dv == D else "torch"
-    if softcap is not None and backend == "flash_cpu":
-        backend = "torch"  # the fused kernel cannot softcap its scores
-    if backend == "fused_cuda" and (kv_start is not None or kv_end is not None):
-        backend = "torch"  # the fused CUDA kernels take no per-row lower/upper key bounds
+    # the registry (ops.kernels) knows what each kernel takes, hands over (flash_cpu: softcap;
+    # fused_cuda: per-row bounds) or refuses
+    backend = resolve(backend, Call.of(q, v, mask=mask, softcap=softcap, kv_start=kv_start, kv_end=kv_end))
     G = Hq // Hkv
     # every row's visible keys are [lo, hi) (AND the optional dense mask), computed here only
     lo, hi = _row_bounds(B, Tq, G, S, kv_lens, causal, kv_start, kv_end, q.device)
@@ -230,11 +230,7 @@ def _attention(
     vis = None
     if mask is not None:  # rows r = g * Tq + i take mask row i
         vis = mask.to(q.device).index_select(1, torch.arange(qg.shape[2], device=q.device) % Tq).unsqueeze(1)
-    if backend in ("decode_cpu", "fused_cuda", "triton") and mask is not None:
-        raise ValueError(f"backend {backend!r} takes no dense mask; use 'torch' or 'flash_cpu'")
     if backend == "decode_cpu":
-        if q.device.type != "cpu":
-            raise ValueError(f"backend 'decode_cpu' needs CPU tensors, got {q.device}")
         from ._decode_cpu import decode_cpu
 
         R = qg.shape[2]  # keys outside a row's [lo, hi) are never read: no zeroing needed
@@ -253,8 +249,6 @@ def _attention(
         hi_r = None if hi is None else hi.reshape(B, qg.shape[2])
         out, lse = fused_cuda(qg, k, v, scale, kv_lens, hi_r, causal, softcap, Tq)
     elif backend == "flash_cpu":
-        if q.device.type != "cpu" or Dv != D:
-            raise ValueError(f"backend 'flash_cpu' needs CPU tensors with Dv == D, got {q.device}, D={D}, Dv={Dv}")
         if seq is not None:  # a skipped key holding NaN/inf would still poison the fused kernel's sums
             j = torch.arange(S, device=q.device).view(1, 1, S, 1)
             bad = (j < seq[0].view(B, 1, 1, 1)) | (j >= seq[1].view(B, 1, 1, 1))
@@ -277,15 +271,8 @@ def _attention(
 
 
 def _triton(q, k, v, scale, lo, hi, softcap, row_bounds: bool, mask, keep_fp32: bool) -> tuple[Tensor, Tensor]:
-    from ._triton_attn import triton_attention, triton_available
+    from ._triton_attn import triton_attention
 
-    if not triton_available(q):
-        raise ValueError(
-            f"backend 'triton' needs triton and CUDA tensors (CPU only under TRITON_INTERPRET=1) of "
-            f"float16/bfloat16/float32, got {q.device} {q.dtype}"
-        )
-    if mask is not None:
-        raise ValueError("backend 'triton' takes no dense mask; use 'torch' or 'flash_cpu'")
     B, Hq, Tq, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[3]
     R = Hq // Hkv * Tq

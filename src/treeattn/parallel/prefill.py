@@ -9,9 +9,8 @@ from torch import Tensor
 
 from ..comm.collectives import all_gather, all_to_all, world
 from ..comm.strategies import STRATEGIES, reduce_states
-from ..ops._prefill_cpu import prefill_states
-from ..ops._triton_attn import triton_available
-from ..ops.attention import _attention, all_finite
+from ..ops.attention import _attention
+from ..ops.kernels import causal_block_states, causal_square_states
 from ..ops.state import empty_state, merge_into
 from ._common import check_window
 
@@ -53,7 +52,7 @@ def causal_states(
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         return out.to(acc), lse.to(acc)
     if int(kpos.max()) <= int(qpos.min()) and (window is None or int(kpos.min()) > int(qpos.max()) - window):
-        st = prefill_states(q, k, v, None, None, scale, softcap, backend)  # all visible
+        st = causal_block_states(q, k, v, None, None, scale, softcap, backend)  # all visible
         return st or _attention(q, k, v, scale=scale, softcap=softcap, backend=backend, keep_fp32=True)
     B, G = q.shape[0], q.shape[1] // max(1, k.shape[1])
     rows = max(1, _MASK_BUDGET // (G * len(kpos)))
@@ -61,15 +60,9 @@ def causal_states(
     if ordered:
         end = torch.searchsorted(kpos, qpos, right=True)  # first key after the query
         start = None if lo_pos is None else torch.searchsorted(kpos, lo_pos)  # first key in its window
-        st = prefill_states(q, k, v, start, end, scale, softcap, backend)  # one call, per-row bounds
+        st = causal_block_states(q, k, v, start, end, scale, softcap, backend)  # one call, per-row bounds
         if st is not None:
             return st
-        if q.device.type == "cuda" and (backend == "triton" or (backend == "auto" and q.dtype != torch.float32)) \
-                and triton_available(q):  # one Triton call (float32: aten's kernel, see ops.attention._cuda_backend)
-            kw = dict(kv_end=end.to(q.device).expand(B, -1))
-            if start is not None:
-                kw["kv_start"] = start.to(q.device).expand(B, -1)
-            return _attention(q, k, v, scale=scale, softcap=softcap, backend="triton", keep_fp32=True, **kw)
     if ordered and window is None:
         split = _causal_blocks(q, k, v, end, scale, softcap, backend)
         if split is not None:
@@ -130,7 +123,7 @@ def _causal_blocks(q, k, v, end: Tensor, scale, softcap, backend) -> tuple[Tenso
             st = _attention(qr, k[:, :, :shared], v[:, :, :shared], scale=scale, softcap=softcap, backend=backend,
                             keep_fp32=True)  # fmt: skip
         if tri:
-            t = _triangle(qr, k[:, :, shared:e1], v[:, :, shared:e1], scale, softcap, backend)
+            t = causal_square_states(qr, k[:, :, shared:e1], v[:, :, shared:e1], scale, softcap, backend)
             if st is None:
                 st = t
             else:
@@ -142,21 +135,6 @@ def _causal_blocks(q, k, v, end: Tensor, scale, softcap, backend) -> tuple[Tenso
             out, lse = out.to(acc), lse.to(acc)
         out[:, :, i:j], lse[:, :, i:j] = st[0], st[1]
     return out, lse
-
-
-def _triangle(q, k, v, scale, softcap, backend) -> tuple[Tensor, Tensor]:
-    """Square causal block (query row i sees keys 0..i): PyTorch's fused CPU flash kernel with
-    ``is_causal`` (it skips the blocks above the diagonal; grouped K/V heads natively, no copy)
-    where it applies, else the generic path."""
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    fused = (q.device.type == "cpu" and backend in ("auto", "flash_cpu") and softcap is None
-             and k.shape[3] == v.shape[3] and all_finite(k, v))  # fmt: skip
-    if not fused:
-        return _attention(q, k, v, scale=scale, softcap=softcap, backend=backend, causal=True, keep_fp32=True)
-    s = q.shape[3] ** -0.5 if scale is None else float(scale)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # the kernel misreads strided rows
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True, scale=s)
-    return out.to(acc), lse.to(acc)
 
 
 def ring_prefill(

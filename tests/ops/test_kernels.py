@@ -1,0 +1,95 @@
+"""The kernel registry (treeattn.ops.kernels): every kernel, on every device it claims that is
+at hand (CPU here; CUDA in the GPU suite; Triton on CPU under its interpreter), against the
+float64 reference on every call shape it says it takes; the calls it refuses raise a
+ValueError with its reason (or, for the kernels that say so, run on the torch path)."""
+
+import itertools
+
+import pytest
+import torch
+from test_window_softcap import check
+
+from treeattn import attention_with_lse
+from treeattn.ops.kernels import KERNELS, Call, why_not
+
+# (name, dtype, B, Hq, Hkv, Tq, S, D, Dv, kv_lens, causal, kv_start, softcap)
+CALLS = [
+    ("decode gqa", torch.float32, 2, 8, 2, 1, 300, 64, 64, False, False, None, None),
+    ("ragged + garbage", torch.float32, 3, 4, 4, 1, 300, 32, 32, True, False, None, None),
+    ("spec rows, causal", torch.float32, 2, 6, 3, 3, 200, 32, 32, True, True, None, None),
+    ("window per row", torch.float32, 2, 8, 2, 2, 200, 32, 32, True, True, "row", None),
+    ("softcap", torch.float32, 1, 4, 2, 1, 150, 32, 32, False, False, "seq", 5.0),
+    ("Dv != D", torch.float32, 2, 4, 2, 1, 100, 64, 32, True, False, None, None),
+    ("bfloat16", torch.bfloat16, 2, 8, 2, 1, 300, 64, 64, True, False, None, None),
+    ("float16 rows", torch.float16, 1, 8, 8, 4, 120, 64, 64, False, True, None, None),
+]
+
+
+def _devices():
+    out = ["cpu"]
+    if torch.cuda.is_available():
+        out.append("cuda")
+    return out
+
+
+CASES = [(n, d) for n in KERNELS for d in _devices() if d in KERNELS[n].devices]
+
+
+def make_call(dtype, B, Hq, Hkv, Tq, S, D, Dv, ragged, causal, start, cap, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(B, Hq, Tq, D, generator=g) * 2).to(dtype)
+    k = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    v = torch.randn(B, Hkv, S, Dv, generator=g).to(dtype)
+    lens = torch.randint(S // 3, S + 1, (B,), generator=g) if ragged else None
+    if lens is not None:
+        lens[0] = S
+        for b in range(1, B):  # unused slots hold garbage that must never be read
+            k[b, :, int(lens[b]) :] = float("nan")
+            v[b, :, int(lens[b]) :] = float("nan")
+    kv_start = None
+    if start == "seq":
+        kv_start = torch.randint(0, S // 2, (B,), generator=g)
+    elif start == "row":
+        kv_start = torch.randint(0, S // 2, (B, 1), generator=g) + torch.arange(Tq)
+    return q, k, v, lens, kv_start
+
+
+@pytest.mark.parametrize("name,device", CASES, ids=[f"{n}-{d}" for n, d in CASES])
+def test_kernel_conformance(name, device):
+    kern = KERNELS[name]
+    ran = 0
+    for call in CALLS:
+        what, dtype, B, Hq, Hkv, Tq, S, D, Dv, ragged, causal, start, cap = call
+        q, k, v, lens, kv_start = make_call(dtype, B, Hq, Hkv, Tq, S, D, Dv, ragged, causal, start, cap)
+        kw = dict(kv_lens=lens, causal=causal, kv_start=kv_start, softcap=cap)
+        dev = lambda t: None if t is None else t.to(device)  # noqa: E731
+        args = (dev(q), dev(k), dev(v))
+        dkw = {key: dev(val) if isinstance(val, torch.Tensor) else val for key, val in kw.items()}
+        c = Call.of(args[0], args[2], softcap=cap, kv_start=kv_start)
+        if why_not(name, c) is not None and not kern.to_torch(c):
+            with pytest.raises(ValueError, match=f"backend '{name}'"):
+                attention_with_lse(*args, backend=name, **dkw)
+            continue
+        out, lse = attention_with_lse(*args, backend=name, **dkw)
+        assert out.dtype == dtype and lse.dtype == torch.float32, what
+        if lens is not None:
+            for b in range(1, B):
+                k[b, :, int(lens[b]) :] = 0
+                v[b, :, int(lens[b]) :] = 0
+        check(out.cpu(), lse.cpu(), q, k, v, **kw)
+        ran += 1
+    assert ran >= 3, f"{name} on {device} took only {ran} of the conformance calls"
+
+
+def test_registry_claims():
+    """Each kernel's claims, spelled out: a kernel never claims a device it cannot run on."""
+    f32 = torch.float32
+    assert why_not("torch", Call("cuda", torch.float64, 64, 32, mask=True, softcap=True, bounds=True)) is None
+    assert "CPU" in why_not("decode_cpu", Call("cuda", f32, 64, 64))
+    assert "mask" in why_not("decode_cpu", Call("cpu", f32, 64, 64, mask=True))
+    assert "head dims" in why_not("flash_cpu", Call("cpu", f32, 64, 32))
+    assert "CUDA" in why_not("fused_cuda", Call("cpu", f32, 64, 64))
+    assert "float16" in why_not("triton", Call("cuda", torch.float64, 64, 64))
+    for name, kern in KERNELS.items():
+        assert kern.devices and set(kern.devices) <= {"cpu", "cuda"}, name
+    assert list(itertools.chain(KERNELS)) == ["torch", "flash_cpu", "decode_cpu", "fused_cuda", "triton"]
