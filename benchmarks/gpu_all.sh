@@ -19,5 +19,6 @@ step "${OPS_TIMEOUT:-150}" ops.log $PY -m pytest -q -rs -p no:cacheprovider test
     tests/ops/test_triton_attn.py tests/ops/test_no_host_sync.py
 step "${KERNEL_TIMEOUT:-150}" kernel.md $PY benchmarks/gpu_kernel.py --json "$out/kernel.json"
 step "${E2E_TIMEOUT:-150}" e2e.md $PY benchmarks/gpu_e2e.py --json "$out/e2e.json"
-step "${SUITE_TIMEOUT:-400}" suite.log $PY -m pytest -q -rs -p no:cacheprovider tests/gpu -k "${SUITE_K:-}"
+# -v: a line per test as it ends (with -q a long first test leaves the log empty until then)
+step "${SUITE_TIMEOUT:-400}" suite.log $PY -m pytest -v -rs -p no:cacheprovider tests/gpu -k "${SUITE_K:-}"
 exit $rc

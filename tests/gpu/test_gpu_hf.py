@@ -43,7 +43,10 @@ def gpu_generate_worker() -> None:
 
     torch.cuda.set_device(0)
     p = dist.get_world_size()
-    for i, kind in enumerate(("llama", "mistral", "gemma2", "qwen2")):
+    # p > 1 shares one GPU through host-staged gloo collectives (slow): two families there,
+    # every family at p = 1
+    kinds = ("llama", "mistral", "gemma2", "qwen2") if p == 1 else ("llama", "gemma2")
+    for i, kind in enumerate(kinds):
         m = tiny_cuda(kind)
         base = torch.randint(0, m.config.vocab_size, (1, 23 + 9 * i), generator=torch.Generator().manual_seed(i))
         ids = torch.cat([base, base[:, :7], base], 1).cuda()  # repeats: prompt lookup finds n-grams
@@ -59,7 +62,7 @@ def gpu_generate_worker() -> None:
         out = generate(m, ids, max_new_tokens=NEW, stop_at_eos=False, speculate="draft", draft_model=m,
                        num_draft_tokens=3, tree_width=2)  # fmt: skip
         assert torch.equal(out, ref), f"cuda p={p} {kind} draft model: {out.tolist()} != {ref.tolist()}"
-        if kind in ("llama", "mistral"):
+        if kind in ("llama", "mistral") and p == 1:
             exp = contrastive_reference(m, ids, 10, 0.6, 4)
             out = generate(m, ids, max_new_tokens=10, stop_at_eos=False, penalty_alpha=0.6, top_k=4, prefill_chunk=8)
             assert out[0].tolist() == exp, f"cuda p={p} {kind} contrastive: {out[0].tolist()} != {exp}"
