@@ -90,6 +90,11 @@ def test_registry_claims():
     assert "head dims" in why_not("flash_cpu", Call("cpu", f32, 64, 32))
     assert "CUDA" in why_not("fused_cuda", Call("cpu", f32, 64, 64))
     assert "float16" in why_not("triton", Call("cuda", torch.float64, 64, 64))
+    assert "head dims" in why_not("triton", Call("cuda", torch.bfloat16, 576, 512))
+    # what flash_cpu and fused_cuda hand to the torch path instead of refusing (as before the registry)
+    assert KERNELS["flash_cpu"].to_torch(Call("cpu", f32, 64, 32, softcap=True))
+    assert KERNELS["fused_cuda"].to_torch(Call("cpu", f32, 64, 64, bounds=True))
+    assert KERNELS["fused_cuda"].to_torch(Call("cuda", torch.float64, 64, 64))
     for name, kern in KERNELS.items():
         assert kern.devices and set(kern.devices) <= {"cpu", "cuda"}, name
     assert list(itertools.chain(KERNELS)) == ["torch", "flash_cpu", "decode_cpu", "fused_cuda", "triton"]

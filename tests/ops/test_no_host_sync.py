@@ -92,9 +92,10 @@ def test_attention_with_lse(case):
         assert out.shape == q.shape and out.device.type == "cuda" and lse.dtype == torch.float32
 
 
-# the aten kernels' fake implementations on this CPU-only build fail on a fake seqlen_k
-# ("PyTorch is not linked with support for cuda devices"), so fused_cuda is checked without kv_lens
-@pytest.mark.parametrize("spec", [dict(), dict(Tq=4, causal=True), dict(dtype=torch.float32)])
+# fused_cuda: aten's flash and efficient kernels (meta), ragged calls and softcap on the chunked torch path
+@pytest.mark.parametrize(
+    "spec", [dict(), dict(Tq=4, causal=True), dict(dtype=torch.float32), dict(kv_lens=True), dict(softcap=30.0)]
+)
 def test_fused_cuda(spec):
     backend = "fused_cuda"
     with FakeTensorMode():

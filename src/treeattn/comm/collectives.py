@@ -193,7 +193,12 @@ def sendrecv(send: list[Tensor], dst: int, recv: list[Tensor], src: int, group: 
         reqs = dist.batch_isend_irecv(ops)
     except RuntimeError as e:
         raise _failure("send-recv", group, e, "ring") from e
-    return [_Request(r, group, d) for r, d in zip(reqs, done, strict=True)]
+    if len(reqs) == len(done):  # gloo: a request per message
+        return [_Request(r, group, d) for r, d in zip(reqs, done, strict=True)]
+    # NCCL coalesces the batch into one request: the staged copies (none there) follow its wait
+    todo = [d for d in done if d is not None]
+    tail = (lambda: [d() for d in todo]) if todo else None
+    return [_Request(r, group, tail if i == len(reqs) - 1 else None) for i, r in enumerate(reqs)]
 
 
 def broadcast(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:

@@ -18,7 +18,7 @@ Kernels, in order of preference (:func:`plan` picks one per call):
 All three return the natural-log log-sum-exp of the *scaled* scores (flash-attn's
 ``softmax_lse``; PyTorch's kernels compute ``max + log(sum)`` in natural-log units of
 ``scale * q.k``). Anything else (softcap without flash-attn, unusual head dims) uses the
-pure-PyTorch :func:`~treeattn.ops._decode_cpu.decode_torch` on the GPU. Nothing CUDA-only
+chunked pure-PyTorch path (``_blocks._chunked``) on the GPU, which reads nothing from the device. Nothing CUDA-only
 is imported at module import.
 """
 
@@ -29,7 +29,7 @@ import importlib.util
 import torch
 from torch import Tensor
 
-from ._decode_cpu import decode_torch
+from ._blocks import _chunked
 
 __all__ = ["fused_cuda", "fused_cuda_supported", "plan"]
 
@@ -95,8 +95,8 @@ def fused_cuda(
     Tq = _rows_per_group(R, hi, causal) if Tq is None else (Tq if causal else R)
     G = R // Tq
     kind = plan(qg.dtype, D, Dv, G, Tq, causal, kv_lens is not None, softcap, _has_flash_attn())
-    if kind == "torch":
-        return decode_torch(qg, k, v, scale, None, hi, softcap)
+    if kind == "torch":  # the chunked torch path: exact, and it reads nothing from the device
+        return _chunked(qg, k, v, scale, None, None if hi is None else hi.reshape(B, 1, R, 1), None, None, softcap)
     if kind == "flash_attn":
         from flash_attn import flash_attn_with_kvcache
 

@@ -96,8 +96,8 @@ def _kernel():
         IEEE: tl.constexpr, F32DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_DV: tl.constexpr,
     ):  # fmt: skip
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1)
+        pid_bh = tl.program_id(0)  # axis 0: up to 2**31 - 1 programs (axes 1 and 2: 65535)
+        pid_m = tl.program_id(1)
         pid_s = tl.program_id(2)
         b = (pid_bh // H).to(tl.int64)  # 64-bit offsets: a batch of long caches passes 2**31 elements
         h = (pid_bh % H).to(tl.int64)
@@ -257,7 +257,7 @@ def split_kv_attention(
     splits = num_splits(B, H, R, S, q.device)
     out = torch.empty(B, H, R, Dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, H, R, dtype=torch.float32, device=q.device)
-    if out.numel() == 0 or lse.numel() == 0:
+    if lse.numel() == 0:
         return out, lse
     cfg = DECODE_CONFIG if splits > 1 or R <= 16 else PREFILL_CONFIG
     bm, _, bd, bdv = _blocks(R, D, Dv)
@@ -273,7 +273,7 @@ def split_kv_attention(
     cap = float(softcap)
     interp = q.device.type == "cpu"  # the interpreter's tl.dot misreads bfloat16 operands
     fwd, merge = _kernel()
-    fwd[(-(-R // bm), B * H, splits)](
+    fwd[(B * H, -(-R // bm), splits)](
         q, k, v, lo_t if lo_t is not None else q, hi_t if hi_t is not None else q, po, pl,
         *q.stride(), *k.stride(), *v.stride(), slob, slor, shib, shir, *po.stride(), *pl.stride(),
         H, R, S, D, Dv, split_len, scale * _LOG2E, scale / cap if cap else 0.0, cap * _LOG2E,

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from ._blocks import _chunked
-from .kernels import Call, resolve
+from .kernels import Call, resolve, why_not
 from .state import empty_state
 
 __all__ = ["attention_with_lse", "check_attention_inputs", "BACKENDS"]
@@ -242,7 +242,7 @@ def _attention(
     elif backend == "fused_cuda":
         from ._fused_cuda import fused_cuda
 
-        if seq is not None:  # the fused kernels weigh masked keys by 0: 0 x NaN of unused slots would leak
+        if seq is not None and kv_lens is not None:  # masked keys weigh 0 there: 0 x NaN of unused slots would leak
             j = torch.arange(S, device=q.device).view(1, 1, S, 1)
             bad = (j < seq[0].view(B, 1, 1, 1)) | (j >= seq[1].view(B, 1, 1, 1))
             k, v = k.masked_fill(bad, 0.0), v.masked_fill(bad, 0.0)
@@ -367,7 +367,7 @@ def _cuda_backend(q: Tensor, k: Tensor, v: Tensor, plain: bool, causal_rows: boo
         return "fused_cuda"
     if plain and aten_shape and q.dtype == torch.float32 and rows > _TRITON_F32_MAX_ROWS:
         return "fused_cuda"
-    if triton_available(q):
+    if triton_available(q) and why_not("triton", Call.of(q, v)) is None:
         return "triton"
     return "fused_cuda" if fused_cuda_supported(q, k, v) else "torch"
 

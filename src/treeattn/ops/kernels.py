@@ -27,6 +27,7 @@ from torch import Tensor
 __all__ = ["KERNELS", "Call", "Kernel", "causal_block_states", "causal_square_states", "resolve", "why_not"]
 
 _HALF_F32 = (torch.float16, torch.bfloat16, torch.float32)
+_TRITON_MAX_DIM = 256
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def _flash_cpu(c: Call) -> str | None:
         return f"needs equal q/v head dims, got D={c.D}, Dv={c.Dv}"
     if c.softcap:
         return "has no softcap (such calls run the torch path)"
-    return None
+    return None  # (float64 and float16 too)
 
 
 def _decode_cpu(c: Call) -> str | None:
@@ -100,6 +101,8 @@ def _triton(c: Call) -> str | None:
         return f"takes float16/bfloat16/float32, got {c.dtype}"
     if c.mask:
         return "takes no dense mask"
+    if max(c.D, c.Dv) > _TRITON_MAX_DIM:
+        return f"takes head dims up to {_TRITON_MAX_DIM} (its K/V tiles live in shared memory), got D={c.D}, Dv={c.Dv}"
     return None
 
 
@@ -107,9 +110,10 @@ KERNELS: dict[str, Kernel] = {
     k.name: k
     for k in (
         Kernel("torch", ("cpu", "cuda"), _torch),
-        Kernel("flash_cpu", ("cpu",), _flash_cpu, lambda c: c.softcap and c.device == "cpu" and c.D == c.Dv),
+        Kernel("flash_cpu", ("cpu",), _flash_cpu, lambda c: c.softcap),
         Kernel("decode_cpu", ("cpu",), _decode_cpu),
-        Kernel("fused_cuda", ("cuda",), _fused_cuda, lambda c: c.bounds and c.device == "cuda" and not c.mask),
+        Kernel("fused_cuda", ("cuda",), _fused_cuda,
+               lambda c: c.bounds or (c.device == "cuda" and c.dtype not in _HALF_F32)),  # fmt: skip
         Kernel("triton", ("cuda", "cpu"), _triton),
     )
 }
