@@ -193,7 +193,9 @@ class Session:
 
         Args:
             ids: ``[B, T]`` int64 token ids, identical on every rank; ``B`` the session's batch
-                (any B ≥ 1 on an empty session).
+                (any B ≥ 1 on an empty session). Ids on the host: with ``check=False`` the call
+                reads nothing from the device at p = 1 (ids on a GPU are copied to the host once,
+                for the session's history; tests/hf/test_session_no_host_sync.py).
             attention_mask: optional ``[B, T]`` right padding (1 for real tokens, then 0s):
                 sequence ``b`` appends only its first ``mask[b].sum() >= 1`` tokens; needs a
                 batch whose sequences have equal lengths.

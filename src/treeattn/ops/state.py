@@ -138,8 +138,9 @@ def merge_into(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> No
     lse_a.copy_(m + torch.log(s))
     s = s.masked_fill(s == 0, 1.0)
     wa, wb = (wa / s).unsqueeze(-1), (wb / s).unsqueeze(-1)
-    if bool((wb == 0).any()):  # an empty (or negligible) state's out may be NaN: it must not count
+    host = out_a.device.type == "cpu"  # elsewhere no device read: the fills run unconditionally
+    if not host or bool((wb == 0).any()):  # an empty (or negligible) state's out may be NaN: it must not count
         out_b = out_b.masked_fill(wb == 0, 0.0)
-    if bool((wa == 0).any()):
+    if not host or bool((wa == 0).any()):
         out_a.masked_fill_(wa == 0, 0.0)
     out_a.mul_(wa).addcmul_(out_b, wb)
