@@ -216,7 +216,7 @@ def test_compile_cache_reused(tmp_path):
 
 
 def test_auto_picks_decode_cpu_for_decode_shapes():
-    from treeattn.ops.attention import _pick_backend
+    from treeattn.ops.kernels import pick as _pick_backend
 
     q, k, v = make(1, 8, 4, 1, 10, 64, torch.float32)
     assert _pick_backend(q, k, v) == "decode_cpu"
@@ -321,7 +321,8 @@ def test_bf16_tiles_where_measured():
 
 
 def test_auto_bf16_row_limit_follows_kernel_features(monkeypatch):
-    from treeattn.ops.attention import _DECODE_MAX_ROWS_BF16DP, _pick_backend
+    from treeattn.ops.kernels import _DECODE_MAX_ROWS_BF16DP
+    from treeattn.ops.kernels import pick as _pick_backend
 
     q, k, v = make(1, 2, 64, 1, 10, 128, torch.bfloat16)  # 64 rows per KV head
     monkeypatch.setattr(DC, "kernel_features", lambda: frozenset({"avx2", "avx512bf16"}))

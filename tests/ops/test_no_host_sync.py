@@ -155,10 +155,10 @@ def test_the_guard_catches_a_host_read():
 
 
 def test_cuda_dispatch_follows_the_measurements():
-    """auto on CUDA (the table above ops.attention._cuda_backend): the Triton kernel, except
+    """auto on CUDA (the table above ops.kernels._cuda_backend): the Triton kernel, except
     plain half-precision calls over >= 64 (sequence, KV head) pairs (aten_flash measured
     faster) and plain float32 calls with many rows per KV head (aten's efficient kernel)."""
-    from treeattn.ops.attention import _pick_backend
+    from treeattn.ops.kernels import pick as _pick_backend
 
     def pick(B, dtype, Tq=1, **kw):
         q = torch.empty(B, 32, Tq, 128, dtype=dtype, device="cuda")

@@ -9,6 +9,7 @@ import torch
 import treeattn.parallel.prefill as P
 from reference import max_err, naive_attention, reference
 from treeattn.ops import _prefill_cpu as PC
+from treeattn.ops import causal as CA
 from treeattn.ops._decode_cpu import kernel_features
 
 pytestmark = pytest.mark.skipif(
@@ -151,14 +152,14 @@ def test_causal_states_takes_the_kernel(monkeypatch, kind, window):
     k, v = torch.randn(1, 3, len(kpos), 64, generator=g), torch.randn(1, 3, len(kpos), 64, generator=g)
     monkeypatch.setattr(PC, "_MIN_WORK", 0)
     monkeypatch.setattr(PC, "_MIN_FILL", 0)
-    calls, real = [], PC.prefill_states
+    calls, real = [], CA.prefill_states
 
     def spy(*a):
         st = real(*a)
         calls.append(st is not None)
         return st
 
-    monkeypatch.setattr(PC, "prefill_states", spy)
+    monkeypatch.setattr(CA, "prefill_states", spy)
     out, lse = P.causal_states(q, k, v, qpos, kpos, window=window)
     assert calls == [True]
     vis = kpos[None, :] <= qpos[:, None]
@@ -168,6 +169,6 @@ def test_causal_states_takes_the_kernel(monkeypatch, kind, window):
     po, pl_ = naive_attention(q, k, v, mask=vis[None])
     assert max_err(out, ro) <= 2 * max_err(po, ro) + 1e-6
     assert max_err(lse, rl) <= 2 * max_err(pl_, rl) + 1e-5
-    monkeypatch.setattr(PC, "prefill_states", lambda *a: None)  # PyTorch's path: the same result
+    monkeypatch.setattr(CA, "prefill_states", lambda *a: None)  # PyTorch's path: the same result
     o2, l2 = P.causal_states(q, k, v, qpos, kpos, window=window)
     assert max_err(out, o2) < 1e-5 and max_err(lse, l2) < 1e-5

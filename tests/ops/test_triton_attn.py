@@ -120,7 +120,7 @@ def test_custom_op_registration(dev):
 
 
 def test_auto_picks_triton_on_cuda_only():
-    from treeattn.ops.attention import _pick_backend
+    from treeattn.ops.kernels import pick as _pick_backend
 
     q = torch.zeros(1, 4, 1, 64)
     assert _pick_backend(q, q, q) != "triton"  # CPU tensors: never, even under the interpreter

@@ -188,19 +188,20 @@ def kernel_prefill_worker() -> None:
     """Ring and Tree prefill whose blocks the float32 prefill kernel takes (D = 64, its
     threshold off): both placements, with and without a window, whole and as a later chunk."""
     import treeattn.ops._prefill_cpu as PC
+    import treeattn.ops.causal as CA
     from treeattn.cache import Placement
     from treeattn.ops._decode_cpu import kernel_features
     from treeattn.parallel import ring_prefill, tree_prefill
 
     PC._MIN_WORK, PC._MIN_FILL = 0, 0
-    taken, real = [], PC.prefill_states
+    taken, real = [], CA.prefill_states
 
     def spy(*a):
         st = real(*a)
         taken.append(st is not None)
         return st
 
-    PC.prefill_states = spy
+    CA.prefill_states = spy
     rank, p = dist.get_rank(), dist.get_world_size()
     L, Hq, Hkv, Dk = 150, 9, 3, 64
     for i, (kind, block, W) in enumerate([("contiguous", 1, None), ("interleaved", 4, None), ("contiguous", 1, 33)]):
@@ -228,7 +229,7 @@ def kernel_prefill_worker() -> None:
         close(out, lse, (q[:, :, cq], k, v, vis[:, cq], None), f"{what} ring chunk")
         out, lse = tree_prefill(q[:, :, cq], ks, vs, qp, kp[rank], **kw)
         close(out, lse, (q[:, :, cq], k, v, vis[:, cq], None), f"{what} tree chunk")
-    PC.prefill_states = real
+    CA.prefill_states = real
     assert taken and all(taken) == ("prefill512" in kernel_features()), taken  # every block
 
 

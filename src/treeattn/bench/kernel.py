@@ -64,7 +64,8 @@ def _paired(f, buf: torch.Tensor, nbytes: int, reps: int) -> tuple[float, float,
 
 def run(a) -> int:
     from ..ops._decode_cpu import kernel_info
-    from ..ops.attention import _attention, _pick_backend
+    from ..ops.attention import _attention
+    from ..ops.kernels import pick as _pick_backend
 
     torch.set_num_threads(1)
     load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else ["?"] * 3

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from ._blocks import _chunked
-from .kernels import Call, resolve, why_not
+from .kernels import Call, pick, resolve
 from .state import empty_state
 
 __all__ = ["attention_with_lse", "check_attention_inputs", "BACKENDS"]
@@ -146,7 +146,7 @@ def attention_with_lse(
             each KV head for all its query heads, pure-PyTorch fallback without a compiler;
             CPU, float32/bfloat16/float16), ``"fused_cuda"`` (flash-attn / PyTorch's fused
             CUDA kernels that return the log-sum-exp; CUDA), or ``"auto"`` (the faster exact
-            one for the call; measurements next to ``_pick_backend`` and in the README),
+            one for the call; the measurements are beside ``ops.kernels.pick`` and in the README),
             ``"triton"`` (split-KV flash attention in Triton: the G query heads of a KV
             head share every K/V load, per-row key bounds, softcap; CUDA, or CPU under
             ``TRITON_INTERPRET=1``; float16/bfloat16/float32; what ``auto`` picks on CUDA
@@ -205,7 +205,7 @@ def _attention(
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     if backend == "auto":
         plain = kv_lens is None and kv_start is None and kv_end is None and mask is None and softcap is None
-        backend = _pick_backend(q, k, v, plain=plain, causal_rows=causal and Tq > 1)
+        backend = pick(q, k, v, plain=plain, causal_rows=causal and Tq > 1)
         if backend in ("decode_cpu", "fused_cuda", "triton") and mask is not None:
             backend = "flash_cpu" if backend == "decode_cpu" and Dv == D else "torch"
     # the registry (ops.kernels) knows what each kernel takes, hands over (flash_cpu: softcap;
@@ -281,95 +281,6 @@ def _triton(q, k, v, scale, lo, hi, softcap, row_bounds: bool, mask, keep_fp32: 
     hi = None if hi is None else hi.reshape(B, R)
     out, lse = triton_attention(qg, k, v, scale, lo, hi, softcap, row_bounds)
     return out.to(torch.float32 if keep_fp32 else q.dtype).reshape(B, Hq, Tq, Dv), lse.reshape(B, Hq, Tq)
-
-
-# Largest rows per KV head (G * Tq) for which auto picks decode_cpu, per dtype (measured,
-# see _pick_backend): past these flash_cpu's GEMM blocking wins.
-_DECODE_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 16, torch.float16: 128}
-# bfloat16 when the kernel has AVX512-BF16 dot products (bf16 q and K/V, D = Dv, D % 32 == 0)
-_DECODE_MAX_ROWS_BF16DP = 128
-
-
-def _pick_backend(q: Tensor, k: Tensor, v: Tensor, *, plain: bool = False, causal_rows: bool = False) -> str:
-    """The backend ``auto`` runs. ``plain``: no kv_lens, window, per-row bound, mask or softcap
-    (every row sees every key); ``causal_rows``: a causal mask over several queries."""
-    # CPU, 1 thread, B=1, D=128, Tq=1 on a shared 2-core EPYC VM (loadavg 4-8), `treeattn bench
-    # kernel` (docs/benchmarks.md, "Decode kernel"): decode_cpu beats flash_cpu and torch in
-    # every measured row (fp32 16/16 and 32/8, bf16 16/16 and 32/8, S = 16k..256k).
-    # Rows per KV head sweep (S=16k, 8 KV heads, no mask), flash_cpu time / decode_cpu time:
-    #   rows   1      4     8     16    32    64    128
-    #   fp32   4.01   2.53  1.74  1.57  1.07  0.83  0.90
-    #   bf16   8.98   1.93  1.80  1.20  0.95  1.00  1.04   (after the 2-key bf16 4-row path)
-    #   fp16   5.40   5.50  2.46  2.50  1.90  1.87  1.96   (flash_cpu is slow in fp16)
-    #   bf16 with AVX512-BF16 (the 2026-11-23 EPYC VM, loadavg ~0.9, mean of two sweeps; at 1
-    #   row both machines run the same AVX2 code):
-    #          8.98   2.45  2.41  1.99  1.35  1.43  1.27
-    #   with the AVX-512 4-row path (same VM, three sweeps, lowest-highest):
-    #   fp32   3.8    1.9-2.1  1.5-1.6  1.1-1.2  0.92-0.95  1.0-1.05  1.0-1.15
-    #   bf16   9.7-10.8  3.6-3.9  1.9-2.2  1.3-1.4  1.1-1.2  1.3-1.4  1.4-1.5
-    #   (fp32 limit 16: at 32 rows flash_cpu was ahead in every sweep; beyond, within noise)
-    #   AVX2-only Zen 1 EPYC (2026-11-24, loadavg ~1, two sweeps; bf16 with the register tiles,
-    #   1 row before row1_eo, which is 1.2x faster again):
-    #   fp32   1.80-1.83  2.05-2.08  1.33-1.39  0.93-0.99  0.70-0.73  0.71  0.71-0.73
-    #   bf16   6.3-7.0    1.75-1.81  1.24-1.33  1.02-1.07  0.85-0.88  0.88-0.92  0.88-0.93
-    # flash_cpu: at least as fast as the grouped matmul path in float32/float64 and much
-    # faster in half precision, where the matmul path upcasts K/V chunks to float32.
-    # CUDA: the Triton split-KV kernel where triton is installed (it ships with PyTorch's CUDA
-    # builds), else the fused kernels (flash-attn / aten flash / mem-efficient).
-    if q.device.type == "cpu":
-        rows = (q.shape[1] // k.shape[1]) * q.shape[2]
-        limit = _DECODE_MAX_ROWS.get(q.dtype, 0)
-        dp_shape = q.shape[3] % 32 == 0 and v.shape[3] == q.shape[3]
-        if q.dtype == k.dtype == torch.bfloat16 and dp_shape and limit < rows <= _DECODE_MAX_ROWS_BF16DP:
-            from ._decode_cpu import kernel_features
-
-            if "avx512bf16" in kernel_features():
-                limit = _DECODE_MAX_ROWS_BF16DP
-        if rows <= limit:
-            return "decode_cpu"
-        if v.shape[3] == q.shape[3]:
-            return "flash_cpu"
-        return "torch"
-    if q.device.type == "cuda":
-        return _cuda_backend(q, k, v, plain, causal_rows)
-    return "torch"
-
-
-# CUDA, one H200 (benchmarks/gpu_kernel.py, 2026-11-26; Hq/Hkv 32/8 x 128, Tq = 1, medians of
-# 30 CUDA-event timings, ms; fused_cuda = aten_flash on the folded rows):
-#   bf16   B  S      triton   fused_cuda   SDPA
-#          1  32k    0.182    0.424        0.063
-#          1  128k   0.309    0.317        0.143
-#          1  512k   0.593    0.688        0.498
-#          1  1M     1.073    1.119        0.984
-#          8  32k    0.433    0.355        0.261
-#          8  128k   1.449    1.093        0.970
-#          8  512k   5.474    4.414        3.873
-#          8  1M     10.809   8.743        7.523
-#   fp32   triton 0.31-6.5 ms at B = 1 and 2.3-8.8 ms at B = 8, against 3.2-98 ms for fused_cuda
-#          (aten's efficient kernel, no key splits) and 1.4-46 ms for SDPA.
-#   fp32 prefill (an 8,192-token prompt through a 1B-shaped model): the Triton kernel's exact
-#          (IEEE) float32 products made time to first token 5.9x transformers', so float32 calls
-#          with many rows and no per-row bounds stay on aten's efficient kernel.
-_FLASH_MIN_PAIRS = 64  # (sequence, KV head) pairs from which aten_flash beat the Triton kernel
-_TRITON_F32_MAX_ROWS = 16  # float32 rows per KV head up to which the Triton kernel runs plain calls
-
-
-def _cuda_backend(q: Tensor, k: Tensor, v: Tensor, plain: bool, causal_rows: bool) -> str:
-    from ._fused_cuda import fused_cuda_supported
-    from ._triton_attn import triton_available
-
-    B, Hq, Tq, D = q.shape
-    Hkv, Dv = k.shape[1], v.shape[3]
-    rows = Hq // Hkv * Tq
-    aten_shape = D % 8 == 0 and Dv % 8 == 0 and max(D, Dv) <= 256 and fused_cuda_supported(q, k, v)
-    if plain and not causal_rows and aten_shape and q.dtype != torch.float32 and D == Dv and B * Hkv >= _FLASH_MIN_PAIRS:
-        return "fused_cuda"
-    if plain and aten_shape and q.dtype == torch.float32 and rows > _TRITON_F32_MAX_ROWS:
-        return "fused_cuda"
-    if triton_available(q) and why_not("triton", Call.of(q, v)) is None:
-        return "triton"
-    return "fused_cuda" if fused_cuda_supported(q, k, v) else "torch"
 
 
 def _per_row(t: Tensor, B: int, Tq: int, R: int, device: torch.device) -> Tensor:

@@ -1,8 +1,8 @@
-"""Every local attention kernel treeattn has, in one registry: where it runs and which calls
-it takes (and why not). :func:`~treeattn.ops.attention_with_lse` checks an explicit backend
-here; ``auto``'s choice among them (measured) is ``ops.attention._pick_backend``; causal
-prefill blocks go through :func:`causal_block_states`. ``tests/ops/test_kernels.py`` holds
-every kernel to the float64 reference on every device it claims.
+"""Every local attention kernel treeattn has, in one registry: where it runs, which calls it
+takes (and why not), and which one ``auto`` runs (:func:`pick`, with the measurements behind
+it). :func:`~treeattn.ops.attention_with_lse` resolves every backend here; causal prefill
+blocks go through :mod:`treeattn.ops.causal`. ``tests/ops/test_kernels.py`` holds every kernel
+to the float64 reference on every device it claims.
 
 | kernel | devices | implementation |
 |---|---|---|
@@ -13,7 +13,7 @@ every kernel to the float64 reference on every device it claims.
 | ``triton`` | cuda (cpu under ``TRITON_INTERPRET=1``) | split-KV flash attention (``_triton_attn``) |
 
 The C prefill kernel (``_prefill_cpu.c``) serves causal blocks with per-row bounds, through
-:func:`causal_block_states` only.
+:func:`treeattn.ops.causal.causal_block_states` only.
 """
 
 from __future__ import annotations
@@ -24,7 +24,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["KERNELS", "Call", "Kernel", "causal_block_states", "causal_square_states", "resolve", "why_not"]
+from ._fused_cuda import fused_cuda_supported
+from ._triton_attn import _have_triton, interpreting, triton_available
+
+__all__ = ["KERNELS", "Call", "Kernel", "pick", "resolve", "why_not"]
 
 _HALF_F32 = (torch.float16, torch.bfloat16, torch.float32)
 _TRITON_MAX_DIM = 256
@@ -91,8 +94,6 @@ def _fused_cuda(c: Call) -> str | None:
 
 
 def _triton(c: Call) -> str | None:
-    from ._triton_attn import _have_triton, interpreting
-
     if not _have_triton():
         return "needs triton (the 'gpu' extra)"
     if not (c.device == "cuda" or (c.device == "cpu" and interpreting())):
@@ -137,51 +138,88 @@ def resolve(name: str, call: Call) -> str:
     return name
 
 
-def causal_block_states(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    start: Tensor | None,
-    end: Tensor | None,
-    scale: float | None,
-    softcap: float | None,
-    backend: str,
-) -> tuple[Tensor, Tensor] | None:
-    """A causal prefill block in one kernel call: query ``i`` of ``q [B, Hq, T, D]`` sees the
-    keys ``start[i] <= j < end[i]`` (host int64 ``[T]``; None: 0 and S) of ``k/v``. Float32
-    states, or None when no fused kernel takes the block (the caller then splits it): the C
-    prefill kernel on AVX-512 CPUs (float32), the Triton kernel on CUDA (half precision; in
-    float32 aten's efficient kernel on whole blocks measured faster, see ``_cuda_backend``)."""
-    from ._prefill_cpu import prefill_states
-    from ._triton_attn import triton_available
-    from .attention import _attention
-
-    st = prefill_states(q, k, v, start, end, scale, softcap, backend)
-    if st is not None:
-        return st
-    if end is not None and q.device.type == "cuda" and triton_available(q) and (
-        backend == "triton" or (backend == "auto" and q.dtype != torch.float32)
-    ):
-        B = q.shape[0]
-        kw = dict(kv_end=end.to(q.device).expand(B, -1))
-        if start is not None:
-            kw["kv_start"] = start.to(q.device).expand(B, -1)
-        return _attention(q, k, v, scale=scale, softcap=softcap, backend="triton", keep_fp32=True, **kw)
-    return None
+# Largest rows per KV head (G * Tq) for which auto picks decode_cpu, per dtype (measured,
+# see pick): past these flash_cpu's GEMM blocking wins.
+_DECODE_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 16, torch.float16: 128}
+# bfloat16 when the kernel has AVX512-BF16 dot products (bf16 q and K/V, D = Dv, D % 32 == 0)
+_DECODE_MAX_ROWS_BF16DP = 128
 
 
-def causal_square_states(q: Tensor, k: Tensor, v: Tensor, scale, softcap, backend: str) -> tuple[Tensor, Tensor]:
-    """Square causal block (query row i sees keys 0..i), float32 states: PyTorch's fused CPU
-    flash kernel with ``is_causal`` (it skips the blocks above the diagonal; grouped K/V heads
-    natively, no copy) where it applies, else :func:`attention_with_lse`'s dispatch."""
-    from .attention import _attention, all_finite
+def pick(q: Tensor, k: Tensor, v: Tensor, *, plain: bool = False, causal_rows: bool = False) -> str:
+    """The kernel ``auto`` runs for ``q``/``k``/``v`` (the measured choice among the registry's).
+    ``plain``: no kv_lens, window, per-row bound, mask or softcap (every row sees every key);
+    ``causal_rows``: a causal mask over several queries."""
+    # CPU, 1 thread, B=1, D=128, Tq=1 on a shared 2-core EPYC VM (loadavg 4-8), `treeattn bench
+    # kernel` (docs/benchmarks.md, "Decode kernel"): decode_cpu beats flash_cpu and torch in
+    # every measured row (fp32 16/16 and 32/8, bf16 16/16 and 32/8, S = 16k..256k).
+    # Rows per KV head sweep (S=16k, 8 KV heads, no mask), flash_cpu time / decode_cpu time:
+    #   rows   1      4     8     16    32    64    128
+    #   fp32   4.01   2.53  1.74  1.57  1.07  0.83  0.90
+    #   bf16   8.98   1.93  1.80  1.20  0.95  1.00  1.04   (after the 2-key bf16 4-row path)
+    #   fp16   5.40   5.50  2.46  2.50  1.90  1.87  1.96   (flash_cpu is slow in fp16)
+    #   bf16 with AVX512-BF16 (the 2026-11-23 EPYC VM, loadavg ~0.9, mean of two sweeps; at 1
+    #   row both machines run the same AVX2 code):
+    #          8.98   2.45  2.41  1.99  1.35  1.43  1.27
+    #   with the AVX-512 4-row path (same VM, three sweeps, lowest-highest):
+    #   fp32   3.8    1.9-2.1  1.5-1.6  1.1-1.2  0.92-0.95  1.0-1.05  1.0-1.15
+    #   bf16   9.7-10.8  3.6-3.9  1.9-2.2  1.3-1.4  1.1-1.2  1.3-1.4  1.4-1.5
+    #   (fp32 limit 16: at 32 rows flash_cpu was ahead in every sweep; beyond, within noise)
+    #   AVX2-only Zen 1 EPYC (2026-11-24, loadavg ~1, two sweeps; bf16 with the register tiles,
+    #   1 row before row1_eo, which is 1.2x faster again):
+    #   fp32   1.80-1.83  2.05-2.08  1.33-1.39  0.93-0.99  0.70-0.73  0.71  0.71-0.73
+    #   bf16   6.3-7.0    1.75-1.81  1.24-1.33  1.02-1.07  0.85-0.88  0.88-0.92  0.88-0.93
+    # flash_cpu: at least as fast as the grouped matmul path in float32/float64 and much
+    # faster in half precision, where the matmul path upcasts K/V chunks to float32.
+    # CUDA: the Triton split-KV kernel where triton is installed (it ships with PyTorch's CUDA
+    # builds), else the fused kernels (flash-attn / aten flash / mem-efficient).
+    if q.device.type == "cpu":
+        rows = (q.shape[1] // k.shape[1]) * q.shape[2]
+        limit = _DECODE_MAX_ROWS.get(q.dtype, 0)
+        dp_shape = q.shape[3] % 32 == 0 and v.shape[3] == q.shape[3]
+        if q.dtype == k.dtype == torch.bfloat16 and dp_shape and limit < rows <= _DECODE_MAX_ROWS_BF16DP:
+            from ._decode_cpu import kernel_features
 
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    fused = (q.device.type == "cpu" and backend in ("auto", "flash_cpu") and softcap is None
-             and k.shape[3] == v.shape[3] and all_finite(k, v))  # fmt: skip
-    if not fused:
-        return _attention(q, k, v, scale=scale, softcap=softcap, backend=backend, causal=True, keep_fp32=True)
-    s = q.shape[3] ** -0.5 if scale is None else float(scale)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # the kernel misreads strided rows
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True, scale=s)
-    return out.to(acc), lse.to(acc)
+            if "avx512bf16" in kernel_features():
+                limit = _DECODE_MAX_ROWS_BF16DP
+        if rows <= limit:
+            return "decode_cpu"
+        if v.shape[3] == q.shape[3]:
+            return "flash_cpu"
+        return "torch"
+    if q.device.type == "cuda":
+        return _cuda_backend(q, k, v, plain, causal_rows)
+    return "torch"
+
+
+# CUDA, one H200 (benchmarks/gpu_kernel.py, 2026-11-26; Hq/Hkv 32/8 x 128, Tq = 1, medians of
+# 30 CUDA-event timings, ms; fused_cuda = aten_flash on the folded rows):
+#   bf16   B  S      triton   fused_cuda   SDPA
+#          1  32k    0.182    0.424        0.063
+#          1  128k   0.309    0.317        0.143
+#          1  512k   0.593    0.688        0.498
+#          1  1M     1.073    1.119        0.984
+#          8  32k    0.433    0.355        0.261
+#          8  128k   1.449    1.093        0.970
+#          8  512k   5.474    4.414        3.873
+#          8  1M     10.809   8.743        7.523
+#   fp32   triton 0.31-6.5 ms at B = 1 and 2.3-8.8 ms at B = 8, against 3.2-98 ms for fused_cuda
+#          (aten's efficient kernel, no key splits) and 1.4-46 ms for SDPA.
+#   fp32 prefill (an 8,192-token prompt through a 1B-shaped model): the Triton kernel's exact
+#          (IEEE) float32 products made time to first token 5.9x transformers', so float32 calls
+#          with many rows and no per-row bounds stay on aten's efficient kernel.
+_FLASH_MIN_PAIRS = 64  # (sequence, KV head) pairs from which aten_flash beat the Triton kernel
+_TRITON_F32_MAX_ROWS = 16  # float32 rows per KV head up to which the Triton kernel runs plain calls
+
+
+def _cuda_backend(q: Tensor, k: Tensor, v: Tensor, plain: bool, causal_rows: bool) -> str:
+    B, Hq, Tq, D = q.shape
+    Hkv, Dv = k.shape[1], v.shape[3]
+    rows = Hq // Hkv * Tq
+    aten_shape = D % 8 == 0 and Dv % 8 == 0 and max(D, Dv) <= 256 and fused_cuda_supported(q, k, v)
+    if plain and not causal_rows and aten_shape and q.dtype != torch.float32 and D == Dv and B * Hkv >= _FLASH_MIN_PAIRS:
+        return "fused_cuda"
+    if plain and aten_shape and q.dtype == torch.float32 and rows > _TRITON_F32_MAX_ROWS:
+        return "fused_cuda"
+    if triton_available(q) and why_not("triton", Call.of(q, v)) is None:
+        return "triton"
+    return "fused_cuda" if fused_cuda_supported(q, k, v) else "torch"

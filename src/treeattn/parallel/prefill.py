@@ -10,7 +10,7 @@ from torch import Tensor
 from ..comm.collectives import all_gather, all_to_all, world
 from ..comm.strategies import STRATEGIES, reduce_states
 from ..ops.attention import _attention
-from ..ops.kernels import causal_block_states, causal_square_states
+from ..ops.causal import causal_block_states, causal_square_states
 from ..ops.state import empty_state, merge_into
 from ._common import check_window
 
