@@ -13,8 +13,9 @@ beyond ``kv_lens`` cannot leak in. A row with a NaN or +inf score is NaN (out an
 empty row ``(0, -inf)``; with per-row bounds, a non-finite value reaches only the rows that
 weigh it (checked per block, a slow branch taken only when the block holds one).
 
-The kernel (two: the splits, then their merge) is the custom op ``treeattn::split_kv_attention`` with a fake implementation, so
-it composes with FakeTensor and ``torch.compile``. On CPU tensors it runs only under
+The two kernels (the splits, then their merge) are the custom op
+``treeattn::split_kv_attention``, with a fake implementation, so they compose with FakeTensor
+and ``torch.compile``. On CPU tensors it runs only under
 ``TRITON_INTERPRET=1`` (how CI tests it). ``triton`` is imported on first use.
 """
 
@@ -232,7 +233,8 @@ def _rows2(t: Tensor | None) -> tuple[Tensor | None, int, int]:
     return t, t.stride(0), t.stride(1)
 
 
-# kernel shapes (measured on an H200, benchmarks/gpu_kernel.py: the sweep table in docs/benchmarks.md)
+# kernel shapes: a first choice, not tuned yet (benchmarks/gpu_kernel.py sweeps them; on the one
+# GPU run so far the sweep did not get to run, docs/benchmarks.md section 14)
 DECODE_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=2)  # few rows per (sequence, KV head)
 PREFILL_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=2)  # row blocks of 64
 

@@ -215,8 +215,8 @@ def _attention(
     # every row's visible keys are [lo, hi) (AND the optional dense mask), computed here only
     lo, hi = _row_bounds(B, Tq, G, S, kv_lens, causal, kv_start, kv_end, q.device)
     if backend == "triton":  # straight to the kernel: it reads each row's bounds itself (no trim, no sync)
-        return _triton(q, k, v, scale, lo, hi, softcap, (causal and Tq > 1) or kv_end is not None or (
-            kv_start is not None and kv_start.ndim == 2), mask, keep_fp32)  # fmt: skip
+        rows_differ = (causal and Tq > 1) or kv_end is not None or (kv_start is not None and kv_start.ndim == 2)
+        return _triton(q, k, v, scale, lo, hi, softcap, rows_differ, keep_fp32)
     lo, hi, span, seq = _trim(lo, hi, S, B)
     if span is not None:
         k, v = k[:, :, span[0] : span[1]], v[:, :, span[0] : span[1]]
@@ -270,7 +270,7 @@ def _attention(
     return out.to(acc if keep_fp32 else q.dtype).reshape(B, Hq, Tq, Dv), lse.reshape(B, Hq, Tq)
 
 
-def _triton(q, k, v, scale, lo, hi, softcap, row_bounds: bool, mask, keep_fp32: bool) -> tuple[Tensor, Tensor]:
+def _triton(q, k, v, scale, lo, hi, softcap, row_bounds: bool, keep_fp32: bool) -> tuple[Tensor, Tensor]:
     from ._triton_attn import triton_attention
 
     B, Hq, Tq, D = q.shape
