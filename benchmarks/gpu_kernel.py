@@ -1,6 +1,8 @@
 # ruff: noqa: B023  (each lambda is timed at once, inside its loop iteration)
 """The GPU decode kernel table: treeattn's local op against PyTorch SDPA, as % of the HBM
 read floor (K+V bytes / the rate of a 2 GiB ``sum`` on the same GPU), CUDA events, medians.
+In order: tree_decode at p = 1 against the local op, the split-count and kernel-shape sweeps
+(Triton), then the table; a failing cell (out of memory) is NaN, the run goes on.
 
     python benchmarks/gpu_kernel.py                       # bf16 and fp32, B 1 and 8, S 32k..1M
     python benchmarks/gpu_kernel.py --quick               # a few shapes
@@ -20,6 +22,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 
 import torch
@@ -41,6 +44,17 @@ def timed(fn, reps: int, warmup: int = 5) -> float:
         b.synchronize()
         ts.append(a.elapsed_time(b))
     return statistics.median(ts)
+
+
+def cell(fn, reps: int) -> float:
+    """``timed``, or NaN (with the reason on stderr) when the call fails, e.g. out of memory:
+    one cell must not cost the rest of a run on a borrowed GPU."""
+    try:
+        return timed(fn, reps)
+    except (torch.OutOfMemoryError, RuntimeError, ValueError) as e:
+        print(f"cell failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr, flush=True)
+        torch.cuda.empty_cache()
+        return float("nan")
 
 
 def read_rate() -> float:
@@ -74,40 +88,8 @@ def main() -> None:
     dev = torch.cuda.get_device_name()
     print(f"{dev}; read rate {rate / 1e12:.2f} TB/s (2 GiB sum); Hq/Hkv {a.heads[0]}/{a.heads[1]} x {a.dim}; "
           f"medians of {a.reps} CUDA-event timings\n")  # fmt: skip
-    print("| dtype | B | S | floor ms | treeattn ms (% floor) | ragged ms | fused_cuda ms | sdpa ms (% floor) | treeattn / sdpa |")
-    print("|---|---|---|---|---|---|---|---|---|")
     rows = []
     Hq, Hkv, D = a.heads[0], a.heads[1], a.dim
-    for dname in a.dtypes:
-        dt = getattr(torch, dname)
-        for B in a.batch:
-            for S in a.seq:
-                nbytes = 2 * B * Hkv * S * D * dt.itemsize
-                if nbytes > a.max_gb * 1e9:
-                    print(f"| {dname} | {B} | {S} | skipped: K+V {nbytes / 1e9:.0f} GB > --max-gb |")
-                    continue
-                q = torch.randn(B, Hq, 1, D, device="cuda", dtype=dt)
-                k = torch.randn(B, Hkv, S, D, device="cuda", dtype=dt)
-                v = torch.randn(B, Hkv, S, D, device="cuda", dtype=dt)
-                lens = torch.full((B,), S, device="cuda")
-                floor = nbytes / rate * 1e3
-                t = {
-                    "treeattn": timed(lambda: attention_with_lse(q, k, v, check=False), a.reps),
-                    "ragged": timed(lambda: attention_with_lse(q, k, v, kv_lens=lens, check=False), a.reps),
-                    "fused_cuda": timed(lambda: attention_with_lse(q, k, v, backend="fused_cuda", check=False), a.reps),
-                }
-                try:  # float32 SDPA runs its math kernel, which repeats K/V for GQA: it may not fit
-                    t["sdpa"] = timed(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), a.reps)
-                except torch.OutOfMemoryError:
-                    t["sdpa"] = float("nan")
-                    torch.cuda.empty_cache()
-                row = dict(dtype=dname, B=B, S=S, floor_ms=floor, **{f"{n}_ms": x for n, x in t.items()})
-                rows.append(row)
-                print(f"| {dname} | {B} | {S} | {floor:.3f} | {t['treeattn']:.3f} ({100 * floor / t['treeattn']:.0f} %) | "
-                      f"{t['ragged']:.3f} | {t['fused_cuda']:.3f} | {t['sdpa']:.3f} ({100 * floor / t['sdpa']:.0f} %) | "
-                      f"{t['treeattn'] / t['sdpa']:.2f} |", flush=True)  # fmt: skip
-                del q, k, v
-                torch.cuda.empty_cache()
     # the split count: programs per SM (bf16, B = 1)
     from treeattn.ops import _triton_attn as T
 
@@ -121,7 +103,7 @@ def main() -> None:
         ts = []
         for n in a.per_sm:
             T.PROGRAMS_PER_SM = n
-            ts.append(timed(lambda: attention_with_lse(q, k, v, check=False), a.reps))
+            ts.append(cell(lambda: attention_with_lse(q, k, v, check=False), a.reps))
         T.PROGRAMS_PER_SM = default
         rows.append(dict(what="programs per SM", S=S, per_sm=a.per_sm, ms=ts))
         print(f"| {S} | " + " | ".join(f"{x:.3f}" for x in ts) + " |", flush=True)
@@ -143,8 +125,8 @@ def main() -> None:
         for S in a.sweep_seq:
             q = torch.randn(1, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
             k = torch.randn(1, Hkv, S, D, device="cuda", dtype=torch.bfloat16)
-            ts.append(timed(lambda: attention_with_lse(q, k, k, check=False), a.reps))
-        ts.append(timed(lambda: _attention(qp, kp, kp, kv_end=end, backend="triton", keep_fp32=True), a.reps))
+            ts.append(cell(lambda: attention_with_lse(q, k, k, check=False), a.reps))
+        ts.append(cell(lambda: _attention(qp, kp, kp, kv_end=end, backend="triton", keep_fp32=True), a.reps))
         rows.append(dict(what="config", config=[bn, w, st], ms=ts))
         print(f"| {bn}, {w}, {st} | " + " | ".join(f"{x:.3f}" for x in ts) + " |", flush=True)
     T.DECODE_CONFIG.update(saved[0])
@@ -161,11 +143,41 @@ def main() -> None:
             q = torch.randn(1, Hq, 1, D, device="cuda", dtype=dt)
             k = torch.randn(1, Hkv, S, D, device="cuda", dtype=dt)
             v = torch.randn(1, Hkv, S, D, device="cuda", dtype=dt)
-            loc = timed(lambda: attention_with_lse(q, k, v, check=False), a.reps)
-            tre = timed(lambda: tree_decode(q, k, v, check=False), a.reps)
+            loc = cell(lambda: attention_with_lse(q, k, v, check=False), a.reps)
+            tre = cell(lambda: tree_decode(q, k, v, check=False), a.reps)
             rows.append(dict(what="tree_decode p=1", S=S, local_ms=loc, tree_ms=tre))
             print(f"| bfloat16 | {S} | {loc:.3f} | {tre:.3f} | {1e3 * (tre - loc):.0f} |", flush=True)
         dist.destroy_process_group()
+    # the table last: it takes longest (a time limit then costs only its last rows)
+    print()
+    print("| dtype | B | S | floor ms | treeattn ms (% floor) | ragged ms | fused_cuda ms | sdpa ms (% floor) | treeattn / sdpa |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for dname in a.dtypes:
+        dt = getattr(torch, dname)
+        for B in a.batch:
+            for S in a.seq:
+                nbytes = 2 * B * Hkv * S * D * dt.itemsize
+                if nbytes > a.max_gb * 1e9:
+                    print(f"| {dname} | {B} | {S} | skipped: K+V {nbytes / 1e9:.0f} GB > --max-gb |")
+                    continue
+                q = torch.randn(B, Hq, 1, D, device="cuda", dtype=dt)
+                k = torch.randn(B, Hkv, S, D, device="cuda", dtype=dt)
+                v = torch.randn(B, Hkv, S, D, device="cuda", dtype=dt)
+                lens = torch.full((B,), S, device="cuda")
+                floor = nbytes / rate * 1e3
+                t = {  # float32 SDPA runs its math kernel, which repeats K/V for GQA: it may not fit (NaN)
+                    "treeattn": cell(lambda: attention_with_lse(q, k, v, check=False), a.reps),
+                    "ragged": cell(lambda: attention_with_lse(q, k, v, kv_lens=lens, check=False), a.reps),
+                    "fused_cuda": cell(lambda: attention_with_lse(q, k, v, backend="fused_cuda", check=False), a.reps),
+                    "sdpa": cell(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), a.reps),
+                }
+                row = dict(dtype=dname, B=B, S=S, floor_ms=floor, **{f"{n}_ms": x for n, x in t.items()})
+                rows.append(row)
+                print(f"| {dname} | {B} | {S} | {floor:.3f} | {t['treeattn']:.3f} ({100 * floor / t['treeattn']:.0f} %) | "
+                      f"{t['ragged']:.3f} | {t['fused_cuda']:.3f} | {t['sdpa']:.3f} ({100 * floor / t['sdpa']:.0f} %) | "
+                      f"{t['treeattn'] / t['sdpa']:.2f} |", flush=True)  # fmt: skip
+                q = k = v = None  # free before the next shape
+                torch.cuda.empty_cache()
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(device=dev, read_rate=rate, rows=rows), f, indent=1)
