@@ -28,13 +28,6 @@ def test_plan():
     assert F.plan(h, 100, 100, 1, 1, False, False, None, False) == "torch"  # D % 8
 
 
-def test_rows_per_group():
-    Tq, G = 3, 4
-    hi = (torch.tensor([10]) - (Tq - 1) + torch.arange(G * Tq) % Tq).view(1, -1)
-    assert F._rows_per_group(G * Tq, hi, True) == Tq
-    assert F._rows_per_group(G * Tq, hi, False) == G * Tq
-
-
 def test_fix_empty_tells_empty_rows_from_undefined_ones():
     """The kernels' lse for a row without keys (+inf, NaN) becomes (0, -inf); a non-finite
     lse on a row that has keys (a NaN or inf score) becomes (NaN, NaN); finite rows stay."""

@@ -213,7 +213,7 @@ def tree_step(self, tokens: Tensor, tree: tuple[list[int], Tensor, Tensor]) -> t
     """:meth:`Session.step`: the block runs with its K/V kept aside in ``self._pending``."""
     parents, depth, sees = tree
     c = self.cache
-    q_pos = self._lens[:, None] + depth[None, :]
+    q_pos = self.history.lens[:, None] + depth[None, :]
     ctx = StepContext(c, "step", self.attention, self.strategy, self.group, kv_lens=c.kv_lens.to(self.device),
                       q_pos=q_pos, tree=sees, depth=depth)  # fmt: skip
     hidden = self._forward(ctx, tokens, q_pos)
@@ -223,7 +223,7 @@ def tree_step(self, tokens: Tensor, tree: tuple[list[int], Tensor, Tensor]) -> t
 
 def check_room(self, add: Tensor, B: int) -> None:
     """ValueError unless adding ``add [B]`` tokens keeps every sequence within ``max_length``."""
-    base = self._lens if len(self) or B == self.batch else torch.zeros(B, dtype=torch.int64)
+    base = self.history.lens if len(self) or B == self.batch else torch.zeros(B, dtype=torch.int64)
     end = int((base + add).max())
     if end > self.max_length:
         raise ValueError(

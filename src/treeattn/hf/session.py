@@ -19,6 +19,7 @@ from ..comm.collectives import world
 from ..comm.strategies import STRATEGIES
 from ..comm.validate import agree
 from . import _steps as S
+from ._history import History
 from .attention import ATTN_NAME, StepContext, TreeAttnCache
 
 ATTENTIONS = ("tree", "ring")
@@ -130,8 +131,7 @@ class Session:
         self.device = next(model.parameters()).device
         self.cache: ShardedKVCache | None = None
         self._tc: TreeAttnCache | None = None
-        self._ids = torch.zeros(1, 0, dtype=torch.int64)  # committed ids, host, -1 beyond a row's length
-        self._lens = torch.zeros(1, dtype=torch.int64)
+        self.history = History()  # committed ids and lengths, on the host
         self._pending: tuple | None = None  # the last step: tokens, parents, K/V per layer, hidden states
         self.hidden = None  # a contrastive.HiddenStore when the hidden states of the tokens are kept
         self.last_call: dict = {}
@@ -139,37 +139,29 @@ class Session:
                              step_seconds=0.0, kept_tokens=0)  # fmt: skip
 
     def __len__(self) -> int:
-        return int(self._lens.max())
+        return len(self.history)
 
     @property
     def batch(self) -> int:
         """Sequences in the session (set by the first call on an empty session)."""
-        return self._ids.shape[0]
+        return self.history.batch
 
     @property
     def lengths(self) -> Tensor:
         """Committed tokens per sequence, ``[B]`` int64 (host); all equal unless the batch
         was extended with a right-padded ``attention_mask``."""
-        return self._lens.clone()
+        return self.history.lens.clone()
 
     @property
     def tokens(self) -> Tensor:
         """Committed ids ``[B, len(self)]`` int64 on the host (a shorter sequence of a ragged
         batch is padded with -1)."""
-        return self._ids[:, : len(self)].clone()
+        return self.history.tokens()
 
     def common_prefix(self, ids: Tensor | Sequence[int]) -> int:
         """Length of the longest prefix of ``ids`` (``[L]`` or ``[B, L]``) that is committed in
         every sequence: how much of a new prompt :meth:`rewind` + :meth:`extend` can reuse."""
-        ids = torch.as_tensor(ids).detach().cpu().to(torch.int64)
-        if not len(self):
-            return 0
-        ids = ids.expand(self.batch, -1) if ids.ndim == 1 else ids
-        if ids.ndim != 2 or ids.shape[0] != self.batch:
-            raise ValueError(f"ids must be [L] or [B, L] with B={self.batch}, got {tuple(ids.shape)}")
-        n = min(ids.shape[1], len(self))
-        same = (ids[:, :n] == self._ids[:, :n]).all(0)
-        return int(same.to(torch.int64).cumprod(0).sum())
+        return self.history.common_prefix(ids)
 
     def stats(self) -> dict:
         """``cache_bytes`` (this rank's K/V buffers: ``allocated``, ``used``), ``peak_bytes``
@@ -234,12 +226,12 @@ class Session:
         self._pending = None
         B, T = ids.shape
         self._ensure_cache(B, T)
-        before = self._lens.clone()
+        before = self.history.lens.clone()
         try:
             with self._treeattn():
                 if T == 1 or self.cache.uniform():
                     out = S.decode_one(self, ids[:, 0]) if T == 1 else S.prefill(self, ids, lens)
-                    self._commit(ids.detach().cpu().to(torch.int64), before, lens)
+                    self.history.commit(ids.detach().cpu().to(torch.int64), before, lens)
                 else:  # a ragged batch: chains of prefill_chunk tokens, stepped and kept (kept = committed)
                     n = self.prefill_chunk or T
                     for a in range(0, T, n):
@@ -346,7 +338,7 @@ class Session:
             raise ValueError(err)
         self._pending = None
         if self.cache is not None:
-            self._truncate(self._lens.clamp(max=n))
+            self._truncate(self.history.lens.clamp(max=n))
         self.last_call = dict(op="rewind", tokens=0, seconds=0.0)
 
     # -- internals -------------------------------------------------------------------
@@ -365,7 +357,7 @@ class Session:
             "tokens": ids.shape[1] if ok and ids is not None else -1,
             "token ids checksum": S.checksum(ids) if ok and ids is not None else -1,
             "arguments checksum": extra,
-            "committed tokens": int(self._lens.sum()),
+            "committed tokens": int(self.history.lens.sum()),
         }
         agree(fields, err, group=self.group, show={"call": dict(enumerate(_OPS))})
 
@@ -379,20 +371,12 @@ class Session:
                                     block=self.block or S.auto_block(T, self.p))  # fmt: skip
         self.cache.slot_limit = self.cache.placement.max_per_rank(self.max_length)
         self._tc = TreeAttnCache(self.cache)
-        self._ids, self._lens = torch.zeros(B, 0, dtype=torch.int64), torch.zeros(B, dtype=torch.int64)
-
-    def _grow_ids(self, need: int) -> None:
-        if need > self._ids.shape[1]:
-            ids = torch.full((self.batch, max(need, 2 * self._ids.shape[1], 64)), -1, dtype=torch.int64)
-            ids[:, : self._ids.shape[1]] = self._ids
-            self._ids = ids
+        self.history = History(B)
 
     def _truncate(self, lens: Tensor) -> None:
         """Back to ``lens [B]`` committed tokens per sequence (cache and history)."""
         self.cache.rewind(lens)
-        cols = torch.arange(self._ids.shape[1])[None, :]
-        self._ids[cols >= lens[:, None]] = -1
-        self._lens = lens.clone()
+        self.history.truncate(lens)
 
     def _account(self, op: str, n: int, t0: float) -> None:
         self.last_call = dict(op=op, tokens=n, seconds=time.perf_counter() - t0)
@@ -421,19 +405,10 @@ class Session:
             treeattn_ctx=ctx,
         ).last_hidden_state
 
-    def _commit(self, ids: Tensor, before: Tensor, lens: Tensor) -> None:
-        """History: sequence b's first ``lens[b]`` tokens of ``ids [B, T]`` (host) follow ``before[b]``."""
-        T = ids.shape[1]
-        self._grow_ids(int((before + lens).max()))
-        real = torch.arange(T)[None, :] < lens[:, None]
-        rows = torch.arange(self.batch)[:, None].expand(-1, T)
-        self._ids[rows[real], (before[:, None] + torch.arange(T)[None, :])[real]] = ids[real]
-        self._lens = before + lens
-
     def _keep(self, path: list[int]) -> None:
         tokens, _, stash, hid = self._pending
         self._pending = None
-        n, before = len(path), self._lens.clone()
+        n, before = len(path), self.history.lens.clone()
         if n:
             idx = torch.tensor(path)
             c = self.cache
@@ -448,5 +423,5 @@ class Session:
             except BaseException:
                 self._truncate(before)
                 raise
-            self._commit(tokens[:, idx], before, torch.full_like(before, n))
+            self.history.commit(tokens[:, idx], before, torch.full_like(before, n))
         self.counters["kept_tokens"] += n * self.batch

@@ -80,19 +80,19 @@ def fused_cuda(
     hi: Tensor | None,
     causal: bool,
     softcap: float | None = None,
-    Tq: int | None = None,
+    Tq: int = 1,
 ) -> tuple[Tensor, Tensor]:
     """Grouped-row attention on CUDA. ``qg [B, Hkv, R, D]`` (row ``g*Tq + i``), ``k``/``v``
     ``[B, Hkv, S, D|Dv]``, ``kv_lens`` int ``[B]`` or None, ``hi`` int ``[B, R]`` the
     per-row exclusive key bound (None: all S), ``causal`` bottom-right, ``Tq`` the queries per
-    group member (None: read off ``hi``, a host sync). Keys beyond ``kv_lens`` must hold finite
+    group member. Keys beyond ``kv_lens`` must hold finite
     values (the kernels weigh masked keys by 0). Returns
     ``(out [B, Hkv, R, Dv], lse float32 [B, Hkv, R])``; rows with no key give (0, -inf)."""
     if qg.device.type != "cuda":
         raise ValueError(f"backend 'fused_cuda' needs CUDA tensors, got {qg.device}")
     B, H, R, D = qg.shape
     S, Dv = k.shape[2], v.shape[3]
-    Tq = _rows_per_group(R, hi, causal) if Tq is None else (Tq if causal else R)
+    Tq = Tq if causal else R  # without a causal mask every row is independent: one group of R rows
     G = R // Tq
     kind = plan(qg.dtype, D, Dv, G, Tq, causal, kv_lens is not None, softcap, _has_flash_attn())
     if kind == "torch":  # the chunked torch path: exact, and it reads nothing from the device
@@ -113,18 +113,6 @@ def fused_cuda(
     else:
         out, lse = _efficient(qg, k, v, scale, kv_lens, causal, G, Tq)
     return _fix_empty(out, lse.float(), hi)
-
-
-def _rows_per_group(R: int, hi: Tensor | None, causal: bool) -> int:
-    """Tq from the causal bounds (row r = g*Tq + i sees one more key than row r - 1 within
-    a group); without a causal mask every row is independent, so Tq = R is as good."""
-    if not causal or hi is None or R == 1:
-        return R
-    d = (hi[0, 1:] - hi[0, :-1]).tolist()
-    for i, x in enumerate(d):
-        if x != 1:
-            return i + 1
-    return R
 
 
 def _efficient(qg, k, v, scale, kv_lens, causal, G, Tq):

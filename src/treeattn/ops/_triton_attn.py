@@ -59,10 +59,10 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _blocks(R: int, D: int, Dv: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV): tl.dot needs every side >= 16."""
+def _blocks(R: int, D: int, Dv: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_D, BLOCK_DV): tl.dot needs every side >= 16 (BLOCK_N: the configs below)."""
     bm = max(16, min(64, triton_next_pow2(R)))
-    return bm, 64, max(16, triton_next_pow2(D)), max(16, triton_next_pow2(Dv))
+    return bm, max(16, triton_next_pow2(D)), max(16, triton_next_pow2(Dv))
 
 
 def triton_next_pow2(n: int) -> int:
@@ -75,7 +75,7 @@ def num_splits(B: int, H: int, R: int, S: int, device: torch.device) -> int:
     interpreter (CPU tensors) up to 3, so that tests run the merge."""
     if device.type == "cpu":
         return max(1, min(3, -(-S // 256)))
-    bm, bn = _blocks(R, 16, 16)[:2]
+    bm = _blocks(R, 16, 16)[0]
     programs = B * H * -(-R // bm)
     want = -(-PROGRAMS_PER_SM * _sm_count(device) // programs)
     return max(1, min(want, -(-S // 256)))
@@ -262,7 +262,7 @@ def split_kv_attention(
     if lse.numel() == 0:
         return out, lse
     cfg = DECODE_CONFIG if splits > 1 or R <= 16 else PREFILL_CONFIG
-    bm, _, bd, bdv = _blocks(R, D, Dv)
+    bm, bd, bdv = _blocks(R, D, Dv)
     bn = cfg["BLOCK_N"]
     split_len = -(-max(S, 1) // splits)
     split_len = -(-split_len // bn) * bn
