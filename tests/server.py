@@ -49,6 +49,14 @@ def alive(pids) -> set[int]:
     return out
 
 
+def _json(data: bytes) -> dict:
+    """A response body as JSON; one that is not (a bare 500 page) as ``{"raw": text}``."""
+    try:
+        return json.loads(data)
+    except ValueError:
+        return {"raw": data.decode(errors="replace")}
+
+
 class Server:
     """``python -m treeattn serve ARGS --port 0``; ``url`` once its status line says where it listens."""
 
@@ -87,9 +95,9 @@ class Server:
             req.add_header("Authorization", f"Bearer {key}")
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
-                return r.status, json.loads(r.read())
+                return r.status, _json(r.read())
         except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
+            return e.code, _json(e.read())
 
     def events(self, path: str, body: dict, timeout: float = 600.0):
         """The ``data:`` payloads of a streamed call, as they arrive (``[DONE]`` as a str)."""

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -51,10 +52,14 @@ def test_stop_string_helpers():
     assert _safe_prefix("caf\ufffd", []) == "caf"  # half a character: held back
 
 
-def _run(engine: Engine, jobs: list[tuple[list[int], int]]) -> list[dict]:
-    """Serve ``jobs`` (prompt ids, max_tokens) in order on a single-process engine."""
+def _ids_text(t: list[int]) -> str:
+    return "".join(f"<{i}>" for i in t)
+
+
+def _run(engine: Engine, jobs: list[tuple]) -> list[dict]:
+    """Serve ``jobs`` (prompt ids, max_tokens[, decode]) in order on a single-process engine."""
     q, stopping, results = queue.Queue(), threading.Event(), []
-    for ids, n in jobs:
+    for ids, n, *decode in jobs:
         r = {"tokens": [], "text": ""}
         results.append(r)
 
@@ -67,7 +72,7 @@ def _run(engine: Engine, jobs: list[tuple[list[int], int]]) -> list[dict]:
             else:
                 r["error"] = data
 
-        q.put(Request(ids, n, emit, decode=lambda t: "".join(f"<{i}>" for i in t), temperature=0.0, eos=[2]))
+        q.put(Request(ids, n, emit, decode=decode[0] if decode else _ids_text, temperature=0.0, eos=[2]))
     t = threading.Thread(target=engine.serve, args=(q, stopping))
     t.start()
     while not q.empty() or any("finish_reason" not in r and "error" not in r for r in results):
@@ -119,6 +124,86 @@ def test_engine_without_prefix_cache():
     assert a["text"] == b["text"] and a["cached_tokens"] == b["cached_tokens"] == 0 and not engine.entries
 
 
+class _Tok:
+    """A stand-in tokenizer: one id per character (``ord % 1000``), a chat template that
+    refuses two user messages in a row."""
+
+    chat_template = "stand-in"
+
+    def __init__(self, n: int = 1000) -> None:
+        self.n, self.calls = n, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __call__(self, text: str):
+        self.calls += 1
+        return SimpleNamespace(input_ids=[ord(c) % 1000 for c in text])
+
+    def apply_chat_template(self, msgs, **kw):
+        self.calls += 1
+        if any(a["role"] == b["role"] == "user" for a, b in zip(msgs, msgs[1:], strict=False)):
+            raise ValueError("conversation roles must alternate user/assistant")
+        return {"input_ids": [ord(c) % 1000 for m in msgs for c in m["content"]]}
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+def test_job_checks_every_value_before_the_queue():
+    """``_job`` (rank 0, before anything is queued): seeds map into torch's 64 bits, prompt ids
+    and the tokenizer's output lie within the model's vocabulary, a string prompt longer than
+    64 characters per position is refused without tokenizing, a chat template that raises is a
+    400; the engine's own guard refuses what slips past with a 400 before any broadcast."""
+    from treeattn.serve.api import ApiError, ChatRequest, CompletionRequest, ServerState, _job
+
+    tok = _Tok()
+    state = ServerState(MODEL, tok, 16, 500, lambda n: n, 0, 4, [2], {})
+
+    def job(**kw):
+        return _job(state, CompletionRequest(model=MODEL, **kw))
+
+    def refused(make, **kw) -> str:
+        with pytest.raises(ApiError) as e:
+            make(**kw)
+        assert e.value.status == 400
+        return e.value.body["message"]
+
+    assert job(prompt=[1, 2], seed=-1).seed == 2**64 - 1 and job(prompt=[1], seed=2**63 - 1).seed == 2**63 - 1
+    assert job(prompt=[1], seed=-(2**63)).seed == 2**63 and job(prompt=[1]).seed is None
+    assert job(prompt="abc").ids == [97, 98, 99]
+    assert "[0, 500), got 500" in refused(job, prompt=[1, 500])  # the model's vocabulary (the tokenizer has 1000)
+    assert "[0, 500), got 999" in refused(job, prompt="a\u03e7")  # a tokenizer id beyond the model's vocabulary
+    state.vocab = None
+    assert job(prompt=[999]).ids == [999] and "[0, 1000)" in refused(job, prompt=[1000])  # then the tokenizer's
+    calls = tok.calls
+    assert "at most 1024 (64 per model position)" in refused(job, prompt="a" * 1025)
+    assert tok.calls == calls  # refused before tokenizing
+    assert "16 positions" in refused(job, prompt="a" * 16)
+
+    def chat(**kw):
+        return _job(state, ChatRequest(model=MODEL, **kw))
+
+    msgs = [{"role": "user", "content": "hi"}]
+    assert chat(messages=msgs).ids == [104, 105]
+    assert "roles must alternate" in refused(chat, messages=msgs * 2)
+    assert "at most 1024" in refused(chat, messages=[{"role": "user", "content": "a" * 1025}])
+
+    # the engine's guard: a request that slipped past gets a 400 and no broadcast; the next one runs
+    engine = Engine(_model(), None, dict(prefill_chunk=None), cache_tokens=0)
+    bad = [([5, 512], 3), ([5, 2**63], 3), ([5], 0)]
+
+    def broken(t):  # rank 0 alone raises between two steps: the request ends on every rank, then a 500
+        if len(t) == 2:
+            raise RuntimeError("decode broke")
+        return _ids_text(t)
+
+    out = _run(engine, [*bad, ([5, 6], 3, broken), ([5, 6], 3)])
+    assert [r.get("error", (None,))[0] for r in out] == [400, 400, 400, 500, None], out
+    assert "decode broke" in out[3]["error"][1] and out[-1]["completion_tokens"] == 3
+    assert engine.stats["requests"] == 2 and not engine.entries
+
+
 @pytest.fixture(scope="module")
 def tiny_server():
     s = Server("--preset", MODEL, "--nproc", "2", "--api-key", "sekrit", "--max-queue", "4", "--cache-tokens", "64",
@@ -167,6 +252,85 @@ def test_tiny_server(tiny_server):
     assert st == 400 and "no chat template" in body["error"]["message"]
     st, body = s.request("GET", "/health")
     assert body["status"] == "ok" and body["cache_tokens_per_rank"] <= 64, body
+
+
+def _hostile() -> list[tuple[str, str, dict | bytes]]:
+    """(what, path, body) of requests that must each get a 4xx before anything reaches the ranks."""
+    base = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    huge = [2**31 + 1, 2**63 - 1, 2**63, 2**64, 2**80, -(2**63) - 1, -(2**80)]
+    wrong = [1.5, "3", True, [1], {}]
+    prompts = [[-1], [512], [513], [2**31], *([i] for i in huge), [1.5], ["5"], [True], [None], [], [[1]], "", "hi",
+               "\x00", "\u202eabc", "\U0001f600", "\ud800", "a" * 100_000, {"a": 1}, None,
+               [7] * ((1 << 20) + 1)]  # fmt: skip
+    out = []
+    for k, values in {
+        "seed": [2**63, 2**64, 2**80, -(2**63) - 1, -(2**80), *wrong],
+        "max_tokens": [0, -1, *huge, 1e300, *wrong],
+        "temperature": [-1, -1e-9, 2.5, 1e308, 2**80, -(2**80), "hot", True, [1]],
+        "top_p": [0, -0.5, 1.5, 2**80, -(2**80), "x", True],
+        "n": [0, 2, -1, 2**80],
+        "stop": [5, ["a"] * 5, "x" * 5000, ["\ud800"], [None]],
+        "prompt": prompts,
+        "model": ["nope", "\u202e", "\ud800", 5, None],
+        "stream": ["maybe", [1]],
+        "logprobs": [5],
+        "\ud800": [1],  # an unknown field whose name is not valid Unicode
+    }.items():
+        for v in values:
+            out.append((f"completions {k}={str(v)[:40]!r}", "/v1/completions", {**base, k: v}))
+    for k, values in {"max_completion_tokens": [0, *huge, *wrong], "max_tokens": [2**80],
+                      "messages": [[], [{"role": "user", "content": "\ud800"}], [{"role": "x", "content": "a"}],
+                                   [{"role": "user", "content": [{"type": "text", "text": 5}]}], "hi"]}.items():  # fmt: skip
+        for v in values:
+            out.append((f"chat {k}={str(v)[:40]!r}", "/v1/chat/completions", {**chat, k: v}))
+    head = b'{"model": "tiny-llama", "max_tokens": 2, '
+    for k in ("seed", "max_tokens", "temperature", "top_p"):
+        for v in (b"NaN", b"Infinity", b"-Infinity", b"1e999"):
+            body = head + b'"prompt": [5], "' + k.encode() + b'": ' + v + b"}"
+            out.append((f"raw {k}={v.decode()}", "/v1/completions", body))
+    for what, raw in {
+        "nested lists": head + b'"prompt": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
+        "nested objects": head + b'"prompt": ' + b'{"a": ' * 10_000 + b"1" + b"}" * 10_000 + b"}",
+        "lone surrogate": head + b'"prompt": "\\ud800\\udfff\\udc00"}',
+        "invalid UTF-8": head + b'"prompt": "\xff\xfe"}',
+        "NUL byte": head + b'"prompt": "a\x00b"}',
+        "truncated": head + b'"prompt": [5',
+        "not an object": b"[1, 2, 3]",
+        "empty": b"",
+    }.items():
+        out.append((f"raw {what}", "/v1/completions", raw))
+    return out
+
+
+def test_hostile_requests_leave_the_ranks_alone(tiny_server):
+    """Every field that reaches the ranks is checked on rank 0 before anything is queued: each
+    hostile request gets a 4xx (400, or 404 for an unknown model) while a stream runs, the
+    ranks never see it (the request count does not move, /health stays ok), and afterwards
+    odd but valid requests and a plain one answer exactly."""
+    s = tiny_server
+    model = _model()
+    ids = [9, 8, 7, 6]
+    ref = _reference(model, ids, 40)
+    stream = s.events("/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 40, "temperature": 0})
+    first = next(stream)  # a request is running (or just ran) while the hostile ones arrive
+    before = s.request("GET", "/health")[1]["requests"]
+    for what, path, body in _hostile():
+        st, got = s.request("POST", path, raw=body) if isinstance(body, bytes) else s.request("POST", path, body)
+        assert st in (400, 404), (what, st, got)
+        assert set(got) == {"error"} and got["error"]["message"], (what, got)
+        st, health = s.request("GET", "/health")
+        assert st == 200 and health["status"] == "ok" and health["requests"] == before, (what, health)
+    text = first["choices"][0]["text"] + "".join(e["choices"][0]["text"] for e in stream if e != "[DONE]")
+    assert _ids_of(text) == [t for t in ref if t != 2]
+    base = {"model": MODEL, "prompt": ids, "max_tokens": 3, "temperature": 1.5}
+    for odd in ({"seed": -1}, {"seed": 2**63 - 1}, {"seed": -(2**63)}, {"prompt": [511, 0]},
+                {"stop": ["\x00", "\U0001f600", "\u202e"]}, {"prompt": [5] * 60}):  # fmt: skip
+        st, got = s.request("POST", "/v1/completions", {**base, **odd})
+        assert st == 200 and got["choices"][0]["finish_reason"] in ("stop", "length"), (odd, got)
+    st, got = s.request("POST", "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 12, "temperature": 0})
+    assert st == 200 and _ids_of(got["choices"][0]["text"]) == [t for t in ref[:12] if t != 2], got
+    assert s.request("GET", "/health")[1]["status"] == "ok"
 
 
 def test_cli_errors_before_any_rank_starts():

@@ -1,6 +1,27 @@
 """The HTTP layer of ``treeattn serve`` (rank 0): OpenAI's request and response shapes,
 server-sent events and errors, on FastAPI. Requests go to the engine's queue as token ids and
-numbers; tokens come back as events. Nothing below this module knows about HTTP."""
+numbers; tokens come back as events. Nothing below this module knows about HTTP.
+
+Every field that reaches the ranks is checked here, before anything is queued, so a bad request
+gets its 400 without touching the running one (and no value can overflow the int64 broadcasts):
+
+- ``seed``: an integer in ``[-2**63, 2**63)`` (a signed 64-bit integer, as OpenAI's); a negative
+  seed means the same 64 bits unsigned (``seed + 2**64``, as ``torch.Generator.manual_seed``
+  reads it), so every seed in the range gives its own reproducible stream.
+- ``max_tokens`` / ``max_completion_tokens``: an integer in ``[1, 2**31]``, then within the
+  model's positions and the prefix cache's ``--cache-tokens``.
+- ``temperature`` in ``[0, 2]``, ``top_p`` in ``(0, 1]``: finite numbers (not NaN).
+- token ids in a ``prompt``: integers in ``[0, vocabulary)``: the model's ``vocab_size``, and
+  the tokenizer's length when there is one (what a tokenizer or chat template makes is checked too).
+- text (a prompt, message contents, stop strings) must be valid Unicode: a lone surrogate
+  (``"\\ud800"`` in the JSON) is a 400. A string prompt (or the messages together) may have at
+  most ``CHARS_PER_POSITION`` (64) characters per model position; longer ones are refused
+  before tokenizing. A stop string has at most ``MAX_STOP_CHARS`` (1024) characters, 4 at most.
+- integers must be JSON integers (not ``true``, ``"3"`` or ``1.5``); floats may be integers.
+
+A body that is not JSON, or nests too deeply to parse, is a 400 too; error bodies are ASCII
+JSON, so an odd character in a request never makes its error unprintable.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse, format_sse_event
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
 from starlette.exceptions import HTTPException
 
 from .engine import Request as Job
@@ -30,8 +51,53 @@ class ApiError(Exception):
         self.status, self.body = status, {"message": message, "type": type, "param": param, "code": code}
 
 
+class _ErrorJSON(JSONResponse):
+    """An error body as ASCII JSON: a message that quotes a request's odd characters (a lone
+    surrogate) still encodes."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
+
+
 def _error(status: int, message: str, type: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
-    return JSONResponse({"error": ApiError(status, message, type, param, code).body}, status_code=status)
+    return _ErrorJSON({"error": ApiError(status, message, type, param, code).body}, status_code=status)
+
+
+SEED_RANGE = (-(2**63), 2**63)  # a signed 64-bit integer; negative: the same 64 bits unsigned
+MAX_NEW_TOKENS = 2**31  # max_tokens / max_completion_tokens at most (then the model's positions)
+MAX_STOP_CHARS = 1024  # characters per stop string
+CHARS_PER_POSITION = 64  # a string prompt's characters per model position, at most (checked before tokenizing)
+
+
+def _unicode(s: str) -> str:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode: a lone surrogate at character {e.start}") from None
+    return s
+
+
+def _seed(v: int) -> int:
+    lo, hi = SEED_RANGE
+    if not lo <= v < hi:
+        raise ValueError("seed must be an integer in [-2**63, 2**63) (a signed 64-bit integer)")
+    return v
+
+
+def _either(one: str, many: str, what: str) -> Discriminator:
+    """A string or a list: the errors of the member the value's JSON type picks, no other's."""
+
+    def pick(v):
+        return one if isinstance(v, str) else many if isinstance(v, list) else None
+
+    return Discriminator(pick, custom_error_type="union_type", custom_error_message=f"Input should be {what}")
+
+
+Text = Annotated[str, Field(strict=True), AfterValidator(_unicode)]
+Int = Annotated[int, Field(strict=True)]  # a JSON integer: not true, "3" or 1.5
+Count = Annotated[int, Field(strict=True, ge=1, le=MAX_NEW_TOKENS)]
+Stop = Annotated[str, Field(strict=True, max_length=MAX_STOP_CHARS), AfterValidator(_unicode)]
+TokenId = Annotated[int, Field(strict=True, ge=0, lt=2**63)]  # then below the vocabulary (_ids)
 
 
 class _Strict(BaseModel):
@@ -40,12 +106,13 @@ class _Strict(BaseModel):
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class Message(_Strict):
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
+    content: Annotated[Annotated[Text, Tag("text")] | Annotated[list[TextPart], Tag("parts")],
+                       _either("text", "parts", "a string or a list of text parts")]  # fmt: skip
     name: str | None = None
 
 
@@ -55,11 +122,12 @@ class StreamOptions(_Strict):
 
 class _Sampling(_Strict):
     model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    seed: int | None = None
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    max_tokens: Count | None = None
+    temperature: Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0, le=2)] = 1.0
+    top_p: Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0, le=1)] = 1.0
+    seed: Annotated[Int, AfterValidator(_seed)] | None = None
+    stop: Annotated[Annotated[Stop, Tag("one")] | Annotated[list[Stop], Field(max_length=4), Tag("list")],
+                    _either("one", "list", "a string or a list of up to 4 strings")] | None = None  # fmt: skip
     n: Literal[1] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -70,12 +138,13 @@ class _Sampling(_Strict):
 
 class ChatRequest(_Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Count | None = None
     logprobs: Literal[False] = False
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    prompt: Annotated[Annotated[Text, Tag("text")] | Annotated[list[TokenId], Field(min_length=1), Tag("ids")],
+                      _either("text", "ids", "a string or a list of token ids")]  # fmt: skip
     logprobs: None = None
     echo: Literal[False] = False
 
@@ -87,6 +156,7 @@ class ServerState:
     model_name: str
     tokenizer: Any
     max_positions: int
+    vocab: int | None  # the model's vocab_size: prompt token ids lie in [0, vocab)
     per_rank: Any  # tokens -> KV tokens per rank (Engine.per_rank)
     cache_tokens: int
     max_queue: int
@@ -104,27 +174,44 @@ def _text(content) -> str:
 
 
 def _ids(state: ServerState, body) -> list[int]:
-    tok = state.tokenizer
-    if isinstance(body, ChatRequest):
+    """The prompt's token ids, each checked to lie in the vocabulary."""
+    tok, chat = state.tokenizer, isinstance(body, ChatRequest)
+    param = "messages" if chat else "prompt"
+    limit = CHARS_PER_POSITION * state.max_positions
+    if chat:
         if tok is None or not getattr(tok, "chat_template", None):
             raise ApiError(400, "this model has no chat template: use /v1/completions", param="messages")
         msgs = [{"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)}
                 for m in body.messages]  # fmt: skip
-        enc = tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True)
-        return list(enc["input_ids"])
-    if isinstance(body.prompt, list):
-        vocab = len(tok) if tok is not None else None
-        if vocab is not None and max(body.prompt) >= vocab:
-            raise ApiError(400, f"prompt token ids must lie in [0, {vocab})", param="prompt")
-        return list(body.prompt)
-    if tok is None:
+        n = sum(len(m["content"]) for m in msgs)
+        if n > limit:
+            raise ApiError(400, f"the messages have {n} characters; this server takes at most {limit} "
+                           f"({CHARS_PER_POSITION} per model position)", param="messages")  # fmt: skip
+        try:
+            enc = tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True)
+        except Exception as e:  # a template that raises (roles that do not alternate, ...)
+            raise ApiError(400, f"the chat template refused these messages: {e}", param="messages") from None
+        ids = list(enc["input_ids"])
+    elif isinstance(body.prompt, list):
+        ids = list(body.prompt)
+    elif tok is None:
         raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
-    if not body.prompt:
+    elif not body.prompt:
         raise ApiError(400, "the prompt is empty", param="prompt")
-    return list(tok(body.prompt).input_ids)
+    elif len(body.prompt) > limit:
+        raise ApiError(400, f"the prompt has {len(body.prompt)} characters; this server takes at most {limit} "
+                       f"({CHARS_PER_POSITION} per model position)", param="prompt")  # fmt: skip
+    else:
+        ids = list(tok(body.prompt).input_ids)
+    vocab = min((v for v in (state.vocab, len(tok) if tok is not None else None) if v), default=2**63)
+    bad = next((i for i in ids if not 0 <= i < vocab), None)
+    if bad is not None:
+        raise ApiError(400, f"prompt token ids must lie in [0, {vocab}), got {bad}", param=param)
+    return ids
 
 
 def _job(state: ServerState, body) -> Job:
+    """The engine's request for ``body``, every value in range (the module's docstring)."""
     ids = _ids(state, body)
     if not ids:
         raise ApiError(400, "the prompt is empty", param="messages" if isinstance(body, ChatRequest) else "prompt")
@@ -145,7 +232,8 @@ def _job(state: ServerState, body) -> Job:
     def decode(t):
         return tok.decode(t, skip_special_tokens=True) if tok is not None else "".join(f"<{i}>" for i in t)
 
-    return Job(ids, new, emit=None, decode=decode, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+    seed = None if body.seed is None else body.seed % 2**64  # negative: the same 64 bits, unsigned
+    return Job(ids, new, emit=None, decode=decode, temperature=body.temperature, top_p=body.top_p, seed=seed,
                stop=[s for s in stop if s], eos=state.eos)  # fmt: skip
 
 
@@ -154,7 +242,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
-        return JSONResponse({"error": e.body}, status_code=e.status)
+        return _ErrorJSON({"error": e.body}, status_code=e.status)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e: RequestValidationError):
@@ -253,7 +341,7 @@ async def _whole(job: Job, events: asyncio.Queue, request: Request, head: dict, 
         if kind == "text":
             parts.append(data)
         elif kind == "error":
-            return JSONResponse({"error": _fail(*data)}, status_code=data[0])
+            return _ErrorJSON({"error": _fail(*data)}, status_code=data[0])
         elif kind == "end":
             text = "".join(parts)
             choice = {"index": 0, "finish_reason": data["finish_reason"], "logprobs": None}

@@ -79,7 +79,7 @@ def worker(a: argparse.Namespace, model_dir: str | None, local: bool) -> None:
     from .api import ServerState, build_app
 
     max_pos = getattr(model.config, "max_position_embeddings", None) or (1 << 62)
-    state = ServerState(model_name(a), tok, max_pos, engine.per_rank, a.cache_tokens, a.max_queue,
+    state = ServerState(model_name(a), tok, max_pos, engine.vocab, engine.per_rank, a.cache_tokens, a.max_queue,
                         _eos_ids(model, None, True), engine.stats, api_key=a.api_key)  # fmt: skip
     sock = _listen(a.host, a.port)
     host, port = sock.getsockname()[:2]

@@ -33,6 +33,11 @@ class RankFailure(RuntimeError):
     """A collective failed: a rank is gone (or stalled past the collective timeout)."""
 
 
+class BadRequest(ValueError):
+    """A request rank 0 refuses before its first broadcast (the HTTP layer checks the same
+    first; this is the engine's own guard): the other ranks never hear of it."""
+
+
 @dataclass
 class Request:
     """One generation, as rank 0 sees it. ``emit`` receives the events (called from the
@@ -67,6 +72,7 @@ class Engine:
     def __init__(self, model, group=None, session_kw: dict | None = None, cache_tokens: int = 32768,
                  heartbeat: float = 1.0) -> None:  # fmt: skip
         self.model, self.group, self.kw = model, group, dict(session_kw or {})
+        self.vocab: int = model.config.vocab_size  # token ids lie in [0, vocab) (Session checks the same)
         self.rank, self.p = world(group)
         self.cache_tokens, self.heartbeat = cache_tokens, heartbeat
         self.entries: dict[int, Session] = {}
@@ -143,6 +149,11 @@ class Engine:
                 self.stats["cancelled"] += 1
                 continue
             try:
+                self._check(req)
+            except BadRequest as e:
+                req.emit("error", (400, str(e)))
+                continue
+            try:
                 self._run0(req)
             except (RankFailure, CollectiveError, dist.DistError) as e:
                 why = str(e).splitlines()[0]
@@ -150,8 +161,23 @@ class Engine:
                     on_failure(why)
                 req.emit("error", (503, f"a rank failed: {why}"))
                 raise RankFailure(str(e)) from e
-            except Exception as e:  # a bad request that slipped through: every rank raised the same
+            except Exception as e:  # every rank raised the same, or rank 0 raised between steps (_run0)
                 req.emit("error", (500, f"{type(e).__name__}: {e}"))
+
+    def _check(self, req: Request) -> None:
+        """Rank 0, before a request's first broadcast: BadRequest for what would raise halfway
+        through it (and leave the other ranks waiting for a broadcast that never comes) or not
+        fit the int64 broadcasts."""
+        if not req.ids or not all(isinstance(i, int) and 0 <= i < self.vocab for i in req.ids):
+            raise BadRequest(f"the prompt must be 1 or more token ids in [0, {self.vocab})")
+        if not (isinstance(req.max_tokens, int) and req.max_tokens >= 1):
+            raise BadRequest(f"max_tokens must be an integer >= 1, got {req.max_tokens!r}")
+        if req.seed is not None and not (isinstance(req.seed, int) and 0 <= req.seed < 2**64):
+            raise BadRequest(f"the seed must be an integer in [0, 2**64), got {req.seed!r}")
+        if not 0 <= req.temperature < float("inf"):
+            raise BadRequest(f"temperature must be finite and >= 0, got {req.temperature!r}")
+        if req.top_p is not None and not 0 < req.top_p <= 1:
+            raise BadRequest(f"top_p must lie in (0, 1], got {req.top_p!r}")
 
     def _send(self, t: torch.Tensor) -> torch.Tensor:
         try:
@@ -175,43 +201,54 @@ class Engine:
         req.emit("start", {"prompt_tokens": len(req.ids), "cached_tokens": keep})
         logits = self._apply(slot, keep, new, evict, ids)
         sess = self.entries[slot]
-        dev = logits.device
-        gen = torch.Generator(device=dev).manual_seed(req.seed if req.seed is not None else random.getrandbits(62))
-        warp = None
-        if req.temperature > 0:
-            from ..hf.generate import _processors
-
-            warp = _processors(req.temperature, None, req.top_p, None, None, dev)
-            none = torch.zeros(1, 0, dtype=torch.int64, device=dev)
         out: list[int] = []
-        sent, hold = "", max((len(s) for s in req.stop), default=0)
+        waiting = True  # the other ranks wait for a [token, go] broadcast
         t0 = time.perf_counter()
-        while True:
-            if warp is None:
-                tok = int(logits[0].argmax())
-            else:
-                probs = torch.softmax(warp(none, logits.float()), -1)  # temperature, top-p: no history needed
-                tok = int(torch.multinomial(probs, 1, generator=gen))
-            out.append(tok)
-            finish = None
-            if tok in req.eos:
-                finish = "stop"
-            elif len(out) == req.max_tokens:
-                finish = "length"
-            text = req.decode(out[:-1] if tok in req.eos else out)
-            cut = _first_stop(text, req.stop, max(0, len(sent) - hold))
-            if cut is not None:
-                text, finish = text[:cut], "stop"
-            if finish is None and req.cancelled.is_set():
-                finish = "cancelled"
-            safe = text if finish else _safe_prefix(text, req.stop)
-            if len(safe) > len(sent):
-                req.emit("text", safe[len(sent) :])
-                sent = safe
-            self._send(torch.tensor([tok, int(finish is None)]))
-            if finish is not None:
-                break
-            logits = sess.extend(torch.tensor([[tok]], device=dev), check=False)
+        try:
+            dev = logits.device
+            gen = torch.Generator(device=dev).manual_seed(req.seed if req.seed is not None else random.getrandbits(62))
+            warp = None
+            if req.temperature > 0:
+                from ..hf.generate import _processors
+
+                warp = _processors(req.temperature, None, req.top_p, None, None, dev)
+                none = torch.zeros(1, 0, dtype=torch.int64, device=dev)
+            sent, hold = "", max((len(s) for s in req.stop), default=0)
+            while True:
+                if warp is None:
+                    tok = int(logits[0].argmax())
+                else:
+                    probs = torch.softmax(warp(none, logits.float()), -1)  # temperature, top-p: no history needed
+                    tok = int(torch.multinomial(probs, 1, generator=gen))
+                out.append(tok)
+                finish = None
+                if tok in req.eos:
+                    finish = "stop"
+                elif len(out) == req.max_tokens:
+                    finish = "length"
+                text = req.decode(out[:-1] if tok in req.eos else out)
+                cut = _first_stop(text, req.stop, max(0, len(sent) - hold))
+                if cut is not None:
+                    text, finish = text[:cut], "stop"
+                if finish is None and req.cancelled.is_set():
+                    finish = "cancelled"
+                safe = text if finish else _safe_prefix(text, req.stop)
+                if len(safe) > len(sent):
+                    req.emit("text", safe[len(sent) :])
+                    sent = safe
+                waiting = False
+                self._send(torch.tensor([tok, int(finish is None)]))
+                if finish is not None:
+                    break
+                logits = sess.extend(torch.tensor([[tok]], device=dev), check=False)
+                waiting = True
+        except (RankFailure, CollectiveError, dist.DistError):
+            raise
+        except Exception:  # rank 0 alone raised between steps (sampling, decode, emit): end the request on
+            if waiting:  # every rank, so the ranks stay in lockstep (in extend, the others are in it too)
+                self._send(torch.tensor([0, 0]))
+                self._after()
+            raise
         st["completion_tokens"] += len(out)
         if finish == "cancelled":
             st["cancelled"] += 1
