@@ -101,6 +101,10 @@ def all_reduce(t: Tensor, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup 
         t = t.contiguous()
         n = t.numel() * t.element_size()
         meter.record("all_reduce", 2 * (p - 1) / p * n, 2 * (p - 1) / p * n)
+        sm = small_group(group, t, n) if op in SHM_OPS else None
+        if sm is not None:
+            g = sm.all_gather(t, torch.empty(p * t.numel(), dtype=t.dtype))
+            return t.copy_(reduce_gathered(g.view(p, *t.shape), op))
         via = t.cpu() if _staged(t, group) else t
         try:
             dist.all_reduce(via, op=op, group=group)
@@ -120,6 +124,9 @@ def all_gather(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     out = torch.empty(p * t.numel(), dtype=t.dtype, device="cpu" if stage else t.device)
     n = t.numel() * t.element_size()
     meter.record("all_gather", (p - 1) * n, (p - 1) * n)
+    sm = small_group(group, t, n)
+    if sm is not None:
+        return sm.all_gather(t, out).view(p, *t.shape)
     try:
         _all_gather_flat(out, (t.cpu() if stage else t).reshape(-1).contiguous(), group=group)
     except RuntimeError as e:
@@ -208,6 +215,11 @@ def broadcast(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     if p > 1:
         n = t.numel() * t.element_size()
         meter.record("broadcast", n if rank == 0 else 0, 0 if rank == 0 else n)
+        sm = small_group(group, t, n)
+        if sm is not None:
+            via = t.contiguous()
+            sm.broadcast(via)
+            return t if via is t else t.copy_(via)
         src = dist.get_global_rank(group, 0) if group is not None else 0
         via = t
         if t.device.type == "cpu" and dist.get_backend(group) == "nccl":
@@ -221,3 +233,7 @@ def broadcast(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
         if via is not t:
             t.copy_(via)
     return t
+
+
+# the shared-memory path among the ranks of one host (it imports this module's names)
+from .shm_small import SHM_OPS, reduce_gathered, small_group  # noqa: E402

@@ -84,3 +84,14 @@ def record(op: str, sent: float, recv: float) -> None:
         lab = _LABEL[-1] if _LABEL else None
         for m in _ACTIVE:
             m.record(op, sent, recv, lab)
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Count nothing inside the block (a transport's one-time set-up is not the caller's traffic)."""
+    saved = _ACTIVE[:]
+    _ACTIVE.clear()
+    try:
+        yield
+    finally:
+        _ACTIVE[:] = saved

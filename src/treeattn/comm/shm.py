@@ -29,6 +29,7 @@ import mmap
 import os
 import secrets
 import stat
+import struct
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -45,14 +46,18 @@ _TAG = 9  # the ready messages' tag (the ring's own messages use tags 0 and 1)
 _GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> _Shm, or False
 
 
-def _map(fd: int, nbytes: int, write: bool) -> Tensor:
-    prot = mmap.PROT_READ | (mmap.PROT_WRITE if write else 0)
+def _map(fd: int, nbytes: int, write: bool) -> mmap.mmap:
+    return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | (mmap.PROT_WRITE if write else 0))
+
+
+def as_tensor(m: mmap.mmap) -> Tensor:
+    """A mapping as a flat uint8 tensor (sharing its memory)."""
     with warnings.catch_warnings():  # a peer's segment is mapped read-only: torch warns of that
         warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(mmap.mmap(fd, nbytes, mmap.MAP_SHARED, prot), dtype=torch.uint8)
+        return torch.frombuffer(m, dtype=torch.uint8)
 
 
-def _create(path: str, nbytes: int) -> Tensor:
+def _create(path: str, nbytes: int) -> mmap.mmap:
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
     try:  # allocated up front: a full /dev/shm fails here, not with SIGBUS later
         os.posix_fallocate(fd, 0, nbytes)
@@ -64,7 +69,7 @@ def _create(path: str, nbytes: int) -> Tensor:
         os.close(fd)
 
 
-def _open_peer(path: str, nbytes: int) -> Tensor | None:
+def _open_peer(path: str, nbytes: int) -> mmap.mmap | None:
     """A peer's segment, read-only; None unless it is a regular file of ours of ``nbytes``."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -81,6 +86,38 @@ def _open_peer(path: str, nbytes: int) -> Tensor | None:
         os.close(fd)
 
 
+def map_group(group, nbytes: int, token: int | None = None) -> list[mmap.mmap] | None:
+    """Collective: every rank creates a segment of ``nbytes`` under a fresh random name and
+    maps every peer's (read-only). The mappings in group rank order (this rank's writable),
+    when every rank mapped every peer's (and, with a ``token``, read back each owner's token
+    from its first 8 bytes); else None on every rank. No exception of one rank escapes it
+    alone: a local failure is a None for the whole group."""
+    rank, p = world(group)
+    seed = broadcast(torch.tensor([secrets.randbits(62) if rank == 0 else 0], dtype=torch.int64), group)
+    base = os.path.join(_DIR, f"treeattn-{os.getuid()}-{int(seed[0]):x}-")
+    maps: dict[int, mmap.mmap | None] = {}
+    try:
+        maps[rank] = _create(base + str(rank), nbytes)
+        if token is not None:
+            struct.pack_into("<q", maps[rank], 0, token)
+    except (OSError, ValueError, RuntimeError):
+        maps.clear()
+    try:  # every rank takes part in every collective below, whatever failed
+        ok = bool(all_reduce(torch.tensor([float(bool(maps))]), dist.ReduceOp.MIN, group)[0] > 0)
+        if token is not None:
+            tokens = all_gather(torch.tensor([token], dtype=torch.int64), group).view(-1).tolist()
+        for j in range(p):
+            if j != rank and ok:
+                maps[j] = m = _open_peer(base + str(j), nbytes)
+                ok = m is not None and (token is None or struct.unpack_from("<q", m, 0)[0] == tokens[j])
+        ok = bool(all_reduce(torch.tensor([float(ok)]), dist.ReduceOp.MIN, group)[0] > 0)  # all mapped
+    finally:
+        if rank in maps:  # ours: every peer that could map it has
+            with contextlib.suppress(OSError):
+                os.unlink(base + str(rank))
+    return [maps[j] for j in range(p)] if ok else None
+
+
 class _Shm:
     """One group's segments: this rank's (two slots) and its peers' mappings."""
 
@@ -94,38 +131,12 @@ class _Shm:
         return None if self._ref is None else self._ref()
 
     def _map_all(self, nbytes: int, token: int | None = None) -> bool:
-        """Collective: every rank creates a segment of ``nbytes`` under a fresh random name and
-        maps every peer's. True when every rank mapped every peer's (and, with a ``token``,
-        read back each owner's token). No exception of one rank escapes it alone: a local
-        failure is a False for the whole group."""
-        group = self.group
-        rank, p = world(group)
+        """Collective: (re)map the group's segments at ``nbytes`` (:func:`map_group`)."""
         self.maps, self.slot_bytes = [], 0
-        seed = broadcast(torch.tensor([secrets.randbits(62) if rank == 0 else 0], dtype=torch.int64), group)
-        base = os.path.join(_DIR, f"treeattn-{os.getuid()}-{int(seed[0]):x}-")
-        maps: dict[int, Tensor | None] = {}
-        try:
-            maps[rank] = _create(base + str(rank), nbytes)
-            if token is not None:
-                maps[rank][:8].view(torch.int64).fill_(token)
-        except (OSError, ValueError, RuntimeError):
-            maps.clear()
-        try:  # every rank takes part in every collective below, whatever failed
-            ok = bool(all_reduce(torch.tensor([float(bool(maps))]), dist.ReduceOp.MIN, group)[0] > 0)
-            if token is not None:
-                tokens = all_gather(torch.tensor([token], dtype=torch.int64), group).view(-1).tolist()
-            for j in range(p):
-                if j != rank and ok:
-                    maps[j] = m = _open_peer(base + str(j), nbytes)
-                    ok = m is not None and (token is None or int(m[:8].view(torch.int64)) == tokens[j])
-            ok = bool(all_reduce(torch.tensor([float(ok)]), dist.ReduceOp.MIN, group)[0] > 0)  # all mapped
-        finally:
-            if rank in maps:  # ours: every peer that could map it has
-                with contextlib.suppress(OSError):
-                    os.unlink(base + str(rank))
-        if ok:
-            self.maps, self.slot_bytes = [maps[j] for j in range(p)], nbytes // 2
-        return ok
+        maps = map_group(self.group, nbytes, token)
+        if maps is not None:
+            self.maps, self.slot_bytes = [as_tensor(m) for m in maps], nbytes // 2
+        return maps is not None
 
     def fits(self, k: Tensor, v: Tensor, sizes: list[int]) -> bool:
         """Collective when the segments must grow (every rank sees the same ``sizes``, so all
