@@ -203,3 +203,44 @@ def test_merge_into_equals_merge_states(kinds, seed, half):
     torch.testing.assert_close(acc_l, want_l, equal_nan=True, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(acc_o, want_o, equal_nan=True, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ob, ob0, equal_nan=True, rtol=0, atol=0)  # the second state is not written
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    kinds=st.lists(st.sampled_from(["finite", "-inf", "+inf", "nan", "far", "nan-out"]), min_size=1, max_size=6),
+    seed=st.integers(0, 2**16),
+    rows=st.integers(0, 7),
+    dv=st.integers(1, 70),
+)
+def test_merge_packed_equals_merge_states_n(kinds, seed, rows, dv):
+    """The packed merge of the all-gather reduction (the C kernel on CPU, when built) is
+    merge_states_n: empty states' NaN out ignored, NaN lse propagates to its rows, all-empty
+    rows (0, -inf), far lse stable; and it matches the float64 merge."""
+    from treeattn.ops._decode_cpu import kernel_available
+    from treeattn.ops.state import merge_packed
+
+    assert kernel_available()  # else this tests the fallback against itself
+    g = torch.Generator().manual_seed(seed)
+    outs, lses = [], []
+    for kind in kinds:
+        out = torch.randn(2, rows, dv, generator=g)
+        lse = torch.randn(2, rows, generator=g) * 3
+        pick = torch.rand(2, rows, generator=g) < 0.5
+        special = {"-inf": NEG, "+inf": math.inf, "nan": math.nan, "far": 1e4}.get(kind)
+        if special is not None:
+            lse = lse.masked_fill(pick, special)
+        if kind in ("-inf", "+inf"):
+            out = out.masked_fill(pick[..., None], math.nan)  # an empty state's out is ignored
+        if kind == "nan-out":  # a value NaN reaches its row's out, not its lse
+            out = out.masked_fill(pick[..., None] & (torch.arange(dv) == 0), math.nan)
+        outs.append(out)
+        lses.append(lse)
+    buf = torch.cat([torch.stack(outs), torch.stack(lses)[..., None]], -1).contiguous()
+    got_o, got_l = merge_packed(buf)
+    want_o, want_l = merge_states_n(buf[..., :-1], buf[..., -1])
+    assert got_o.dtype == got_l.dtype == torch.float32 and got_o.shape == (2, rows, dv)
+    torch.testing.assert_close(got_l, want_l, equal_nan=True, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_o, want_o, equal_nan=True, rtol=1e-5, atol=1e-6)
+    o64, l64 = merge_states_n(buf[..., :-1].double(), buf[..., -1].double())
+    torch.testing.assert_close(got_l.double(), l64, equal_nan=True, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_o.double(), o64, equal_nan=True, rtol=1e-5, atol=1e-6)

@@ -16,6 +16,8 @@ Every strategy is exact and leaves the same merged state on every rank, float32:
 
 from __future__ import annotations
 
+import os
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,9 +27,9 @@ from torch import Tensor
 
 from ..cost.model import Cluster, choose, reduction_costs
 from ..cost.profile import resolve
-from ..ops.state import merge_states_n
+from ..ops.state import merge_packed
 from . import meter
-from .collectives import all_gather, all_reduce, world
+from .collectives import all_gather, all_reduce, group_or_world, world
 from .topology import Topology, node_groups
 
 STRATEGIES: tuple[str, ...] = ("auto", "allreduce3", "allreduce2", "allgather", "hierarchical")
@@ -125,21 +127,38 @@ def reduce_states(
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     _, p = world(group)
     acc = torch.float64 if out.dtype == torch.float64 else torch.float32
-    out = out.to(acc)
-    lse = torch.where(lse == float("inf"), float("-inf"), lse.to(acc))  # NaN (undefined) propagates
+    out, lse = out.to(acc), lse.to(acc)
     if p == 1:
-        return out, lse
+        return out, torch.where(lse == float("inf"), float("-inf"), lse)  # NaN (undefined) propagates
     topology = topology if topology is not None else Topology.from_env()
     if strategy == "auto":
-        strategy = choose(
-            auto_model(profile, group)[0], out.numel() * 4, lse.numel() * 4, p, _ranks_per_node(p, topology)
-        )
-    with meter.label(strategy):
+        strategy = _auto(profile, group, out.numel() * 4, lse.numel() * 4, p, _ranks_per_node(p, topology))
+    with meter.label(strategy):  # the all-gather merges treat +inf as empty themselves
         if strategy == "allgather":
             return _allgather(out, lse, group)
         if strategy == "hierarchical":
             return _hierarchical(out, lse, group, topology)
+        lse = torch.where(lse == float("inf"), float("-inf"), lse)
         return _allreduce(out, lse, group, packed=strategy == "allreduce2")
+
+
+_AUTO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> {call key: strategy}
+
+
+def _auto(profile: Any, group, out_bytes: int, lse_bytes: int, p: int, rpn: int) -> str:
+    """``auto``'s choice, computed once per group, cost model and sizes (a decode step asks
+    once per layer)."""
+    key = (profile, os.environ.get("TREEATTN_PROFILE"), out_bytes, lse_bytes, p, rpn)
+    try:
+        memo = _AUTO.setdefault(group_or_world(group), {})
+        hit = memo.get(key)
+    except TypeError:  # an unhashable profile: no memo
+        memo, hit = None, None
+    if hit is None:
+        hit = choose(auto_model(profile, group)[0], out_bytes, lse_bytes, p, rpn)
+        if memo is not None:
+            memo[key] = hit
+    return hit
 
 
 def auto_model(profile: Any = None, group: dist.ProcessGroup | None = None) -> tuple[Cluster, str]:
@@ -153,7 +172,7 @@ def auto_model(profile: Any = None, group: dist.ProcessGroup | None = None) -> t
 
 def _allgather(out: Tensor, lse: Tensor, group) -> tuple[Tensor, Tensor]:
     buf = all_gather(torch.cat([out, lse.unsqueeze(-1)], -1), group)
-    return merge_states_n(buf[..., :-1], buf[..., -1])
+    return merge_packed(buf)
 
 
 def _hierarchical(out: Tensor, lse: Tensor, group, topology: Topology | None) -> tuple[Tensor, Tensor]:

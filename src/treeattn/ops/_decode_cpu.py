@@ -1,6 +1,7 @@
 """Streaming decode attention on CPU: a small C kernel (``_decode_cpu.c``) built with the
 system C compiler on first use and loaded with ctypes, with a pure-PyTorch fallback. The same
-shared object holds the prefill kernel (``_prefill_cpu.c``, used by :mod:`._prefill_cpu`).
+shared object holds the prefill kernel (``_prefill_cpu.c``, used by :mod:`._prefill_cpu`) and
+the merge of packed states (``_merge_cpu.c``, used by the all-gather reduction).
 
 Why a plain C file and not ``torch.utils.cpp_extension``: decode attention is a streaming
 problem (every K/V byte is read once, ~2 flops per byte), so what matters is one pass over
@@ -38,7 +39,7 @@ from .state import empty_state, merge_states
 __all__ = ["decode_cpu", "decode_torch", "kernel_available", "kernel_features", "kernel_info"]
 
 _SRC = Path(__file__).with_name("_decode_cpu.c")
-_SRCS = (_SRC, Path(__file__).with_name("_prefill_cpu.c"))  # one shared object
+_SRCS = (_SRC, Path(__file__).with_name("_prefill_cpu.c"), Path(__file__).with_name("_merge_cpu.c"))  # one .so
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # -fopenmp: the prefill kernel's threads come from torch's OpenMP pool (libgomp.so.1, already
 # loaded by torch, is the copy the loader binds); the decode kernel keeps its own pthreads
@@ -130,6 +131,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         lib.treeattn_prefill.argtypes = [vp, vp, vp, ctypes.c_float] + [i64] * 13 + [vp, vp, vp, ctypes.c_int, vp, vp]
         lib.treeattn_prefill.restype = ctypes.c_int
         lib.treeattn_features.restype = ctypes.c_int
+        lib.treeattn_merge.argtypes = [vp, i64, i64, i64, vp, vp]
+        lib.treeattn_merge.restype = ctypes.c_int
         lib.treeattn_prefill_available.restype = ctypes.c_int
         feats = _features(lib)
         return lib, f"{so} ({cc} {' '.join(flags)}; {', '.join(feats) or 'portable C'})"
@@ -163,6 +166,20 @@ def _lib() -> ctypes.CDLL | None:
                 _state["features"] = frozenset(_features(lib)) if lib is not None else frozenset()
                 _state["lib"], _state["info"] = lib, info
     return _state["lib"]
+
+
+def merge_packed_cpu(buf: Tensor) -> tuple[Tensor, Tensor] | None:
+    """The C merge of ``buf [p, ..., Dv + 1]`` (contiguous float32 on the CPU: each row's out,
+    then its lse) into ``(out [..., Dv], lse [...])``, as :func:`~treeattn.ops.state.merge_states_n`
+    does; None when the C kernel is not loaded."""
+    lib = _lib()
+    if lib is None:
+        return None
+    p, Dv = buf.shape[0], buf.shape[-1] - 1
+    out = torch.empty(buf.shape[1:-1] + (Dv,), dtype=torch.float32)
+    lse = torch.empty(buf.shape[1:-1], dtype=torch.float32)
+    lib.treeattn_merge(buf.data_ptr(), p, lse.numel(), Dv, out.data_ptr(), lse.data_ptr())
+    return out, lse
 
 
 def kernel_available() -> bool:
