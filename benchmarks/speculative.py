@@ -5,7 +5,10 @@ chain and a tree, Tree and Ring attention. Greedy: every variant must give the p
 Not a test: it prints what it measured (ms per output token = decode time / tokens after the
 first; the prefill is the same for all and not counted).
 
-    python benchmarks/speculative.py --doc /usr/share/common-licenses/GPL-3 --nproc 2
+    python benchmarks/speculative.py --doc /usr/share/common-licenses/GPL-3 --nproc 2 [--question explain] [--fixed]
+
+Drafting is adaptive (the default of ``generate``); ``--fixed`` adds every drafter at a fixed
+depth. The draft model being the target itself, adaptive drafting finds it too slow to pay.
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ from pathlib import Path
 
 from _fixture import smollm2_gguf  # benchmarks/_fixture.py, beside this script
 
-QUESTION = (
-    "\n\nQuote, word for word, the paragraph of this license that is titled "
-    '"Disclaimer of Warranty", starting with "THERE IS NO WARRANTY".'
-)
+QUESTIONS = {  # an answer that quotes the document, and one that does not
+    "quote": "\n\nQuote, word for word, the paragraph of this license that is titled "
+    '"Disclaimer of Warranty", starting with "THERE IS NO WARRANTY".',
+    "explain": "\n\nIn your own words, without quoting it: why would a company avoid using this license?",
+}
 
 
 def worker(model_dir, ids, new, variants):
@@ -48,6 +52,9 @@ def worker(model_dir, ids, new, variants):
         rows.append((name, attention, n + 1, 1e3 * float(t[0]) / max(n, 1), info.get("mean_accepted_length", 1.0),
                      info.get("acceptance_rates", []), info.get("target_forwards", n), torch.equal(out, plain),
                      float(t[1])))  # fmt: skip
+        if rank == 0 and "step_costs" in info:
+            print(f"{name}: measured step cost by tokens per step (plain = 1): "
+                  + " ".join(f"{T}: {c:.3f}" for T, c in info["step_costs"].items()), flush=True)  # fmt: skip
         if rank == 0 and name == "plain":
             print("answer:", repr(tok.decode(out[0], skip_special_tokens=True)), flush=True)
     if rank == 0:
@@ -130,6 +137,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=5, help="draft tokens per branch")
     ap.add_argument("--ring", action="store_true", help="also plain and prompt lookup with Ring attention")
     ap.add_argument("--breakdown", action="store_true", help="only: where a plain step's time goes per rank")
+    ap.add_argument("--question", choices=list(QUESTIONS), default="quote",
+                    help="quote: an answer that quotes the document (default); explain: one that does not")  # fmt: skip
+    ap.add_argument("--fixed", action="store_true", help="also every drafter at a fixed draft depth")
     a = ap.parse_args()
     gguf_path = smollm2_gguf()
     from transformers import AutoTokenizer
@@ -140,19 +150,25 @@ def main() -> None:
 
     d = resolve_model(str(gguf_path))
     tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
-    ids = chat_ids(tok, Path(a.doc).read_text() + QUESTION)
+    ids = chat_ids(tok, Path(a.doc).read_text() + QUESTIONS[a.question])
     k = a.k
+    pl, dm = dict(speculate="prompt-lookup", num_draft_tokens=k), dict(speculate="draft", num_draft_tokens=k)
     variants = [
         ("plain", "tree", {}),
-        ("prompt lookup, chain", "tree", dict(speculate="prompt-lookup", num_draft_tokens=k)),
-        ("prompt lookup, tree of 3", "tree", dict(speculate="prompt-lookup", num_draft_tokens=k, tree_width=3)),
-        ("draft model (= target), chain", "tree", dict(speculate="draft", num_draft_tokens=k)),
-        ("draft model (= target), tree of 2", "tree", dict(speculate="draft", num_draft_tokens=k, tree_width=2)),
+        ("prompt lookup, chain", "tree", pl),
+        ("prompt lookup, tree of 3", "tree", dict(pl, tree_width=3)),
+        ("draft model (= target), chain", "tree", dm),
     ]
+    if a.fixed:  # the same drafters at a fixed depth (every draft k deep): what adaptivity saves or costs
+        variants += [("prompt lookup, chain, fixed", "tree", dict(pl, adaptive_draft=False)),
+                     ("prompt lookup, tree of 3, fixed", "tree", dict(pl, tree_width=3, adaptive_draft=False)),
+                     ("draft model (= target), chain, fixed", "tree", dict(dm, adaptive_draft=False)),
+                     ("draft model (= target), tree of 2, fixed", "tree", dict(dm, tree_width=2, adaptive_draft=False))]  # fmt: skip
     if a.ring:
         variants += [("plain", "ring", {}), ("prompt lookup, chain", "ring", dict(speculate="prompt-lookup",
                                                                                    num_draft_tokens=k))]  # fmt: skip
-    print(f"{a.doc}: {ids.shape[1]:,} prompt tokens, p={a.nproc}, greedy, at most {a.max_new_tokens} new tokens, k={k}")
+    print(f"{a.doc}: {ids.shape[1]:,} prompt tokens, question {a.question!r}, p={a.nproc}, greedy, at most "
+          f"{a.max_new_tokens} new tokens, k={k}")  # fmt: skip
     if a.breakdown:
         launch(breakdown_worker, a.nproc, (str(d), ids, 32), timeout=7200)
     else:

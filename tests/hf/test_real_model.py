@@ -125,10 +125,11 @@ def speculative_worker(model_dir, prompts, refs):
 
     model, _ = load_model(model_dir)
     draft = copy.deepcopy(model)  # the target itself as the draft model: it accepts (nearly) every draft
+    fixed = dict(num_draft_tokens=4, tree_width=2, adaptive_draft=False)  # as costly as the target: fixed depth
     runs = [
-        (0, "interleaved", "tree", dict(speculate="prompt-lookup")),
+        (0, "interleaved", "tree", dict(speculate="prompt-lookup")),  # adaptive drafting (the default)
         (1, "contiguous", "ring", dict(speculate="prompt-lookup", tree_width=3)),
-        (0, "contiguous", "tree", dict(speculate="draft", draft_model=draft, num_draft_tokens=4, tree_width=2)),
+        (0, "contiguous", "tree", dict(speculate="draft", draft_model=draft, **fixed)),
     ]
     for q, placement, attention, kw in runs:
         info = {}

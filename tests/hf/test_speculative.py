@@ -69,8 +69,10 @@ def spec_worker(seed0):
                   ("draft", {"draft_model": copy.deepcopy(m)}, 2)]  # fmt: skip
         spec, kw, width = drafts[i % len(drafts)]
         info = {}
+        fixed = spec == "draft" and width == 2  # acceptance asserted below; else the adaptive policy
         out = generate(m, ids, max_new_tokens=NEW, stop_at_eos=False, placement=placement, attention=attention,
-                       speculate=spec, tree_width=width, num_draft_tokens=rng.choice([1, 3, 4]), info=info, **kw)  # fmt: skip
+                       speculate=spec, tree_width=width, num_draft_tokens=rng.choice([1, 3, 4]), info=info,
+                       adaptive_draft=not fixed, **kw)  # fmt: skip
         assert torch.equal(out, ref[:, :NEW]), f"{case} {spec} width {width}: {out.tolist()} != {ref.tolist()}"
         if spec == "draft" and width == 2:  # the draft model is the target itself
             assert info["mean_accepted_length"] > 1.5, f"{case}: an identical draft model accepts: {info}"
@@ -230,7 +232,8 @@ def bad_worker():
     # the group is still in lockstep: a speculative run after the refusals is exact, and its
     # last logits are those plain decoding chose the last token from
     info, plain = {}, {}
-    out = generate(m, ids, max_new_tokens=6, stop_at_eos=False, speculate="draft", draft_model=m, info=info)
+    out = generate(m, ids, max_new_tokens=6, stop_at_eos=False, speculate="draft", draft_model=m, info=info,
+                   adaptive_draft=False)  # fmt: skip
     assert torch.equal(out, greedy_ref(m, ids, 6))
     generate(m, ids, max_new_tokens=6, stop_at_eos=False, info=plain)
     assert info["target_forwards"] < 5 and (info["last_logits"] - plain["last_logits"]).abs().max() < 1e-9
@@ -247,7 +250,7 @@ def test_cli_speculate_reports_acceptance():
     r = subprocess.run(
         [sys.executable, "-m", "treeattn", "generate", "--nproc", "2", "--preset", "tiny-qwen2", "--prompt-len", "30",
          "--max-new-tokens", "12", "--speculate", "draft", "--draft-model", "tiny-qwen2", "--num-draft-tokens", "3",
-         "--tree-width", "2", "--compare-single"],
+         "--tree-width", "2", "--compare-single", "--fixed-draft"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr

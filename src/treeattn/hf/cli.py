@@ -265,6 +265,7 @@ def worker(a: argparse.Namespace, job: Job | None = None) -> None:
         num_draft_tokens=a.num_draft_tokens,
         tree_width=a.tree_width,
         penalty_alpha=a.penalty_alpha,
+        adaptive_draft=not a.fixed_draft,
     )
     dec = timings["decode"]
     t = torch.tensor([timings["ttft"], timings["prefill"], sum(dec), statistics.median(dec) if dec else 0.0])
@@ -396,6 +397,8 @@ def add_parser(sub) -> None:
         "a preset); it needs the model's tokenizer",
     )
     g.add_argument("--num-draft-tokens", type=at_least(1), default=5, help="drafted tokens per branch (default 5)")
+    g.add_argument("--fixed-draft", action="store_true", help="always draft --num-draft-tokens deep (default: as "
+                   "deep as measured costs and acceptance make worth it, none when no draft pays)")  # fmt: skip
     g.add_argument(
         "--penalty-alpha",
         type=float,

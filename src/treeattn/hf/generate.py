@@ -103,6 +103,7 @@ def generate(
     num_draft_tokens: int = 5,
     tree_width: int = 1,
     penalty_alpha: float | None = None,
+    adaptive_draft: bool = True,
 ) -> Tensor:
     """Generate up to ``max_new_tokens`` tokens per sequence; call on every rank with the same
     arguments. Stops where ``model.generate`` stops: at the EOS ids of the model's generation
@@ -155,7 +156,12 @@ def generate(
             that of non-speculative greedy decoding (up to float rounding at exact near-ties);
             sampling stays lossless (see :mod:`treeattn.hf.speculative`). One sequence (B = 1).
             ``info`` gets ``mean_accepted_length`` (tokens committed per target forward),
-            ``acceptance_rates`` (per draft position) and ``target_forwards``.
+            ``acceptance_rates`` (per draft position) and ``target_forwards``; with
+            ``adaptive_draft``, ``step_costs`` (tokens per step -> measured cost, plain = 1).
+        adaptive_draft: with ``speculate``, draft only as deep as the measured step costs and
+            acceptance make worth it (:mod:`treeattn.hf._draft_policy`; none when no draft
+            promises a gain, so speculation does not cost more than it saves); False: always
+            ``num_draft_tokens`` deep where a draft exists.
         draft_model: a causal LM with the target's vocabulary; it drafts on rank 0 of
             ``group`` only (the other ranks may pass None).
         penalty_alpha: with ``top_k >= 2`` (and greedy, one sequence): contrastive search, the
@@ -260,7 +266,7 @@ def generate(
             drafter = PromptLookup() if speculate == "prompt-lookup" else DraftModel(
                 draft_model, (lambda lg: procs(seqs, lg)) if do_sample else None, gen)  # fmt: skip
         spec = Speculator(drafter, num_draft_tokens, tree_width, sample=do_sample, probs=probs, generator=gen,
-                          group=group)  # fmt: skip
+                          group=group, adaptive=adaptive_draft)  # fmt: skip
     n_out = 0
 
     def emit(tok: Tensor) -> bool:
@@ -331,6 +337,8 @@ def generate(
             if spec is not None:
                 info.update(mean_accepted_length=spec.stats.mean_accepted_length,
                             acceptance_rates=spec.stats.rates(), target_forwards=len(spec.stats.committed))  # fmt: skip
+                if spec.policy is not None and spec.policy.cost:  # rank 0's measured step costs, plain = 1
+                    info["step_costs"] = {T: spec.policy.step_cost(T) for T in sorted(spec.policy.cost)}
     finally:
         if bar:
             bar.close()

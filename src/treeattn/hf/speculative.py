@@ -14,12 +14,14 @@ tensors (one broadcast each), so every rank commits the same tokens whatever its
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from ..comm.collectives import broadcast, world
+from ._draft_policy import DraftPolicy
 from ._steps import _cache_kw
 
 SPECULATE = ("prompt-lookup", "draft")
@@ -37,6 +39,7 @@ class Draft:
     parents: list[int] = field(default_factory=list)
     q: Tensor | None = None
     trials: dict[int, list[int]] | None = None
+    match: int = 0  # prompt lookup: the length of the n-gram the continuations follow
 
 
 class PromptLookup:
@@ -60,8 +63,23 @@ class PromptLookup:
                 if len(conts) == width:
                     break
             if conts:
-                break
-        return _trie(conts)
+                d = _trie(conts)
+                d.match = n
+                return d
+        return Draft()
+
+
+def _cut(d: Draft, depth: int) -> Draft:
+    """The nodes of a deterministic draft down to ``depth``."""
+    keep, index, out = [], {-1: -1}, Draft(match=d.match)
+    for i, (t, a) in enumerate(zip(d.tokens, d.parents, strict=True)):
+        lvl = 1 if a < 0 else keep[a] + 1
+        keep.append(lvl)
+        if lvl <= depth:
+            index[i] = len(out.tokens)
+            out.tokens.append(t)
+            out.parents.append(index[a])
+    return out
 
 
 def _trie(conts: list[list[int]]) -> Draft:
@@ -176,13 +194,19 @@ class SpecStats:
 class Speculator:
     """One speculative step at a time over a session of one sequence (B = 1): see the module
     docstring. ``pick(logits [V]) -> int`` and ``probs(logits [V]) -> [V]`` are the target's
-    greedy or sampling rule (sampling: ``probs`` is the warped distribution and ``gen`` draws)."""
+    greedy or sampling rule (sampling: ``probs`` is the warped distribution and ``gen`` draws).
+    ``adaptive``: rank 0 drafts as deep as :class:`~treeattn.hf._draft_policy.DraftPolicy`
+    finds worth it (up to ``k``; none when no draft promises a gain); else ``k`` deep wherever
+    the drafter has a draft.
+    A step without a draft is a plain :meth:`Session.extend`."""
 
-    def __init__(self, drafter, k: int, width: int, *, sample: bool, probs, generator, group=None) -> None:
+    def __init__(self, drafter, k: int, width: int, *, sample: bool, probs, generator, group=None,
+                 adaptive: bool = False) -> None:  # fmt: skip
         self.drafter, self.k, self.width = drafter, k, width
         self.sample, self.probs, self.gen, self.group = sample, probs, generator, group
         self.rank, _ = world(group)
         self.stats = SpecStats()
+        self.policy = DraftPolicy(k, width) if adaptive else None
 
     def _draw(self, p: Tensor) -> int:
         return int(torch.multinomial(p.to(self.gen.device), 1, generator=self.gen))
@@ -197,15 +221,14 @@ class Speculator:
         """Commit the pending token ``tok`` and the accepted drafts; returns the new tokens
         (accepted drafts, then the target's next token). ``budget``: the most tokens to return."""
         room = session.max_length - len(session) - 1
-        depth = max(0, min(self.k, budget - 1, room))
-        n_max = depth * self.width
+        cap = max(0, min(self.k, budget - 1, room))
+        n_max = cap * self.width
         buf = torch.full((1 + 2 * n_max + _MSG,), -1, dtype=torch.int64)  # n, tokens, parents, an error
-        draft = Draft()
+        draft, kind = Draft(), None
         if self.rank == 0:
             try:
-                if depth:
-                    history = torch.cat([session.tokens[0], torch.tensor([tok])])
-                    draft = self.drafter.propose(history, depth, self.width)
+                if cap:
+                    draft, kind = self._draft(session, tok, cap)
                 n = len(draft.tokens)
                 buf[0] = n
                 buf[1 : 1 + n] = torch.tensor(draft.tokens, dtype=torch.int64)
@@ -221,7 +244,12 @@ class Speculator:
             raise RuntimeError(f"the drafter failed on rank 0 of the group: {msg}")
         tokens = [tok] + buf[1 : 1 + n].tolist()
         parents = [-1] + [x + 1 for x in buf[1 + n_max : 1 + n_max + n].tolist()]
-        logits = session.step(torch.tensor([tokens], device=session.device), parents, check=False)[0]
+        t0 = time.perf_counter()
+        if n:
+            logits = session.step(torch.tensor([tokens], device=session.device), parents, check=False)[0]
+        else:  # nothing drafted: a plain step, committed at once
+            logits = session.extend(torch.tensor([[tok]], device=session.device), check=False)
+        seconds = time.perf_counter() - t0
         verdict = torch.full((3 + n,), -1, dtype=torch.int64)  # path length, next token, path (root included)
         if self.rank == 0:
             path, nxt = self._verify(logits, tokens, parents, draft)
@@ -230,10 +258,33 @@ class Speculator:
         verdict = broadcast(verdict, self.group)
         path = verdict[2 : 2 + int(verdict[0])].tolist()
         self.last_logits = logits[path[-1]][None]  # the distribution the next token came from
-        session.keep(path, check=False)
+        if n:
+            session.keep(path, check=False)
         d = max((_depth(parents, i) for i in range(len(tokens))), default=0)
         self.stats.add(d, len(path) - 1)
+        if self.policy is not None:
+            self.policy.observe_step(len(tokens), seconds)
+            if kind is not None:
+                self.policy.observe_acceptance(kind, d, len(path) - 1)
         return [tokens[i] for i in path[1:]] + [int(verdict[1])]
+
+    def _draft(self, session, tok: int, cap: int) -> tuple[Draft, object]:
+        """Rank 0: the draft for this step (at most ``cap`` deep) and its kind of evidence."""
+        history = torch.cat([session.tokens[0], torch.tensor([tok])])
+        pol = self.policy
+        if isinstance(self.drafter, PromptLookup):  # the evidence (the match) comes with the draft
+            draft = self.drafter.propose(history, cap, self.width)
+            if pol is None or not draft.tokens:
+                return draft, None
+            return _cut(draft, pol.depth(draft.match, cap)), draft.match
+        depth = pol.depth("model", cap) if pol is not None else cap
+        if not depth:
+            return Draft(), "model"
+        t0 = time.perf_counter()
+        draft = self.drafter.propose(history, depth, self.width)
+        if pol is not None:
+            pol.observe_drafting(depth, time.perf_counter() - t0)
+        return draft, "model"
 
     def _verify(self, logits: Tensor, tokens: list[int], parents: list[int], draft: Draft):
         """``(path from the root, next token)``; ``tokens``/``parents``: the block (the pending

@@ -1,0 +1,125 @@
+"""How many tokens to draft: speculation that does not cost more than it saves.
+
+A step that verifies ``T`` tentative tokens costs ``c(T)`` seconds, ``c(1)`` for a plain one.
+With a per-position acceptance rate ``a``, a draft of ``d`` tokens commits
+``E(d) = 1 + a + ... + a^d`` tokens per step in expectation, so its value against plain
+decoding is ``E(d) c(1) / (c(d + 1) + drafting time)``; the policy drafts the ``d`` with the
+best value, and nothing unless that value beats plain decoding by :data:`MARGIN`.
+
+Both sides are measured on rank 0 as the generation runs:
+
+- **cost**: each step's wall time by its token count (collective waits included: what the
+  step really costs on this machine), and the drafter's time per drafted token. The first step
+  is plain, to measure the yardstick. A width not measured yet is interpolated linearly from
+  the widths that were (a prior of 5 % per extra token while only plain steps were seen).
+- **acceptance**, per kind of evidence: prompt lookup's drafts by the length of the n-gram they
+  matched (a 1-gram match is weak evidence, a 3-gram strong), a draft model's as one kind. A
+  discounted Beta count: recent steps weigh most (an answer that starts quoting the document
+  is noticed within a few steps, one that stops quoting as fast), and the prior is sceptical
+  of short matches, so a 1-gram is drafted only after such drafts were seen to pay. A kind
+not drafted for a while gets a one-token probe (every :data:`_PROBE` steps at least, rarer
+where a wide step is expensive: probes cost under 1 % of the time), so a change of regime is
+found again.
+
+Only draft lengths change: verification is untouched, so greedy output stays plain greedy's
+and sampling stays lossless.
+"""
+
+from __future__ import annotations
+
+MARGIN = 0.02  # a draft must promise 2 % more tokens per second than a plain step
+_DISCOUNT = 0.9  # weight of the past per observation of a kind
+_PRIOR = {1: (0.25, 4.0), 2: (1.0, 2.0)}  # Beta(a, b) of prompt lookup by n-gram length; others (1, 1)
+_MODEL_PRIOR = (1.0, 1.0)
+_BETA0 = 0.05  # prior cost of each extra token, relative to a plain step
+_PROBE = 16  # a kind not drafted for this many steps of its evidence gets a 1-token draft
+
+
+class DraftPolicy:
+    """Per generation (one request): the draft length from measured costs and acceptance."""
+
+    def __init__(self, k_max: int, width: int = 1) -> None:
+        self.k_max, self.width = k_max, width
+        self.cost: dict[int, float] = {}  # step tokens -> EMA seconds
+        self.draft_s = 0.0  # EMA seconds of drafting per drafted depth
+        self.counts: dict[object, list[float]] = {}  # kind -> [accepted, rejected], discounted
+        self.idle: dict[object, int] = {}  # kind -> steps since it was last drafted
+
+    # -- estimates -------------------------------------------------------------------------
+    def _counts(self, kind) -> list[float]:
+        if kind not in self.counts:  # the prior, as counts that fade like any observation
+            self.counts[kind] = list(_PRIOR.get(kind, (1.0, 1.0)) if isinstance(kind, int) else _MODEL_PRIOR)
+        return self.counts[kind]
+
+    def alpha(self, kind) -> float:
+        a, b = self._counts(kind)
+        return a / (a + b)
+
+    def step_cost(self, T: int) -> float:
+        """Estimated seconds of a step of ``T`` tokens, relative to a plain step (1.0)."""
+        c1 = self.cost.get(1)
+        if c1 is None or T == 1:
+            return 1.0 + _BETA0 * (T - 1)
+        if T in self.cost:
+            return self.cost[T] / c1
+        known = sorted(t for t in self.cost if t > 1)
+        if not known:
+            return 1.0 + _BETA0 * (T - 1)
+        lo = max([t for t in known if t < T], default=1)
+        hi = min([t for t in known if t > T], default=None)
+        c_lo = self.cost[lo] / c1
+        if hi is None:  # beyond every measured width: the slope of the widest one
+            slope = max(0.0, (self.cost[known[-1]] / c1 - 1.0) / (known[-1] - 1))
+            return c_lo + slope * (T - lo)
+        return c_lo + (self.cost[hi] / c1 - c_lo) * (T - lo) / (hi - lo)
+
+    def value(self, kind, d: int) -> float:
+        """Expected tokens per unit of time of a draft of depth ``d``, plain decoding = 1."""
+        if d == 0:
+            return 1.0
+        a = self.alpha(kind)
+        tokens = sum(a**i for i in range(d + 1))
+        c1 = self.cost.get(1)
+        drafting = d * self.draft_s / c1 if c1 else 0.0
+        return tokens / (self.step_cost(1 + d * self.width) + drafting)
+
+    def depth(self, kind, cap: int) -> int:
+        """The draft depth to offer (0: a plain step) for evidence ``kind`` within ``cap``."""
+        if 1 not in self.cost:  # a plain step first: the yardstick of every other
+            return 0
+        best, best_v = 0, 1.0 + MARGIN
+        for d in range(1, min(cap, self.k_max) + 1):
+            v = self.value(kind, d)
+            if v > best_v:
+                best, best_v = d, v
+        idle = self.idle.get(kind, 0) + 1 if best == 0 else 0
+        if idle >= self._probe_every():  # a kind given up on is tried again now and then: it may pay by now
+            best, idle = 1, 0
+        self.idle[kind] = idle
+        return best
+
+    def _probe_every(self) -> float:
+        """Steps between one-token probes: at least :data:`_PROBE`, and enough that a probe's
+        extra cost stays under 1 % of the time."""
+        c1 = self.cost.get(1)
+        extra = self.step_cost(1 + self.width) - 1.0 + (self.draft_s / c1 if c1 else 0.0)
+        return max(_PROBE, extra / 0.01)
+
+    # -- measurements ----------------------------------------------------------------------
+    def observe_step(self, T: int, seconds: float) -> None:
+        old = self.cost.get(T)
+        self.cost[T] = seconds if old is None else 0.7 * old + 0.3 * seconds
+
+    def observe_drafting(self, depth: int, seconds: float) -> None:
+        if depth > 0:
+            per = seconds / depth
+            self.draft_s = per if self.draft_s == 0.0 else 0.7 * self.draft_s + 0.3 * per
+
+    def observe_acceptance(self, kind, offered: int, accepted: int) -> None:
+        """A draft of depth ``offered`` whose accepted path was ``accepted`` deep: ``accepted``
+        successes, and a failure at the first rejected position (if any)."""
+        if offered <= 0:
+            return
+        c = self._counts(kind)
+        c[0] = c[0] * _DISCOUNT + accepted
+        c[1] = c[1] * _DISCOUNT + (1.0 if accepted < offered else 0.0)

@@ -1,0 +1,84 @@
+"""The draft-length policy of speculative decoding (treeattn.hf._draft_policy), simulated:
+whatever the true acceptance rate and the true cost of a wider step, adaptive drafting
+commits tokens at least 98 % as fast as plain decoding, and where drafts are good and wide
+steps cheap it is far faster; short n-gram matches are not trusted until they pay."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from treeattn.hf._draft_policy import DraftPolicy
+from treeattn.hf.speculative import Draft, _cut
+
+
+def simulate(alpha: float, beta: float, kind, steps: int = 3000, k: int = 5, seed: int = 0,
+             noise: float = 0.03) -> float:  # fmt: skip
+    """Tokens per unit time of adaptive drafting against plain decoding (1.0): a step of T
+    tokens costs (1 + beta (T - 1)) times a plain one, with multiplicative noise, and each
+    drafted token is accepted with probability ``alpha`` (until the first rejection)."""
+    rng = random.Random(seed)
+    pol = DraftPolicy(k)
+    tokens = time = 0.0
+    for _ in range(steps):
+        d = pol.depth(kind, k)
+        acc = 0
+        while acc < d and rng.random() < alpha:
+            acc += 1
+        cost = (1 + beta * d) * (1 + noise * (2 * rng.random() - 1))
+        pol.observe_step(1 + d, cost)
+        pol.observe_acceptance(kind, d, acc)
+        tokens += 1 + acc
+        time += cost
+    return tokens / time
+
+
+@pytest.mark.parametrize("kind", [1, 2, 3, "model"])
+@pytest.mark.parametrize("beta", [0.0, 0.03, 0.1, 0.5, 2.0])
+@pytest.mark.parametrize("alpha", [0.0, 0.05, 0.2, 0.5, 0.9, 1.0])
+def test_never_much_slower_than_plain(alpha, beta, kind):
+    speed = simulate(alpha, beta, kind)
+    assert speed >= 0.98, f"alpha {alpha} beta {beta} {kind}: {speed:.3f}x plain"
+    # where the expected gain of the best fixed depth is large, most of it is found
+    best = max((1 - alpha ** (d + 1)) / (1 - alpha) / (1 + beta * d) if alpha < 1 else (d + 1) / (1 + beta * d)
+               for d in range(6))  # fmt: skip
+    if best > 1.3 and (kind != 1 or alpha >= 0.5):
+        assert speed >= 0.8 * best, f"alpha {alpha} beta {beta} {kind}: {speed:.2f}x plain, best fixed {best:.2f}x"
+
+
+def test_good_drafts_on_cheap_steps_go_deep_and_bad_ones_stop():
+    pol = DraftPolicy(5)
+    pol.observe_step(1, 0.1)
+    pol.observe_step(6, 0.125)  # 5 % per extra token (a CPU)
+    assert pol.depth(3, 5) > 0  # a 3-gram match is drafted on the prior
+    assert pol.depth(1, 5) == 0  # a 1-gram match is not
+    for _ in range(10):
+        pol.observe_acceptance(3, 5, 5)
+    assert pol.depth(3, 5) == 5 and pol.depth(3, 2) == 2  # within the cap
+    for _ in range(20):
+        pol.observe_acceptance(3, 5, 0)
+    assert 0 < pol.depth(3, 5) < 5  # fewer after rejections
+    for _ in range(20):
+        pol.observe_acceptance(3, 5, 0)
+    assert pol.depth(3, 5) == 0
+    got = [pol.depth(3, 5) for _ in range(40)]  # given up: a one-token probe every 16 steps
+    assert sorted(set(got)) == [0, 1] and 2 <= got.count(1) <= 3, got
+
+
+def test_expensive_wide_steps_are_not_drafted():
+    pol = DraftPolicy(5)
+    pol.observe_step(1, 0.1)
+    pol.observe_step(2, 0.2)  # a second token doubles the step
+    for _ in range(10):
+        pol.observe_acceptance("model", 1, 1)
+    assert pol.depth("model", 5) == 0 or pol.value("model", pol.depth("model", 5)) > 1.02
+    pol.observe_drafting(1, 0.5)  # and the draft model is slow
+    assert pol.depth("model", 5) == 0
+
+
+def test_cut_keeps_the_nodes_down_to_a_depth():
+    d = Draft(tokens=[10, 11, 12, 20, 21, 13], parents=[-1, 0, 1, -1, 3, 2], match=3)
+    c = _cut(d, 2)
+    assert (c.tokens, c.parents, c.match) == ([10, 11, 20, 21], [-1, 0, -1, 2], 3)
+    assert _cut(d, 0).tokens == [] and _cut(d, 9).tokens == d.tokens and _cut(d, 9).parents == d.parents
