@@ -339,3 +339,36 @@ def test_auto_block():
     # 1 for p = 1 and short prompts; a power of two with at least 4 blocks per rank, at most 256
     assert [auto_block(T, 2) for T in (1, 7, 8, 16, 40, 1500, 2048, 4006, 10**6)] == [1, 1, 1, 2, 4, 128, 256, 256, 256]
     assert auto_block(10**6, 1) == 1 and auto_block(100, 3) == 8
+
+
+def test_attention_switch_restores_the_models_own(monkeypatch):
+    """A session runs treeattn's attention and leaves the model's own in place between calls
+    (first call through transformers, later calls by the fast path): plain forwards of the
+    same model in between give transformers' logits; a user who chose treeattn keeps it."""
+    from treeattn.hf import Session
+    from treeattn.hf.attention import ATTN_NAME
+
+    m = tiny64("llama")
+    ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(0))
+    own = m.config._attn_implementation
+    from transformers import AttentionInterface
+
+    seen, real = [], AttentionInterface._global_mapping[ATTN_NAME]
+    monkeypatch.setitem(AttentionInterface._global_mapping, ATTN_NAME, lambda *a, **k: seen.append(1) or real(*a, **k))
+    s = Session(m)
+    with torch.no_grad():
+        want = m(ids).logits[0, -1]
+    for i in range(3):
+        n = len(seen)
+        logits = s.extend(ids[:, 11:] if i else ids[:, :11], check=False)
+        assert len(seen) > n, "treeattn's attention did not run"
+        assert m.config._attn_implementation == own, m.config._attn_implementation
+        n = len(seen)
+        with torch.no_grad():
+            plain = m(ids).logits[0, -1]
+        assert len(seen) == n and torch.equal(plain, want), "a plain forward between calls ran treeattn"
+        if i == 1:  # the whole of ids: the session's logits are the model's
+            torch.testing.assert_close(logits[0], want, rtol=1e-9, atol=1e-9)
+    m.set_attn_implementation(ATTN_NAME)
+    s.extend(ids[:, :1], check=False)
+    assert m.config._attn_implementation == ATTN_NAME

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -179,3 +180,35 @@ def _refuse(module: torch.nn.Module, dropout: float, kwargs: dict) -> None:
 
 
 AttentionInterface.register(ATTN_NAME, treeattn_attention)
+
+
+class AttnSwitch:
+    """``with switch():`` runs the model with treeattn's attention, and puts back what it had.
+    The first switch goes through transformers' ``set_attn_implementation`` (it validates, and
+    walks every module); later ones set the same configs directly: a decode step switches
+    once per call, and the walk cost milliseconds per token."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.configs = model, None
+
+    @contextlib.contextmanager
+    def __call__(self):
+        m = self.model
+        if m.config._attn_implementation == ATTN_NAME:  # nested, or the user's own choice
+            yield
+            return
+        if self.configs is None:
+            cfgs = {id(c): c for c in [m.config] + [x.config for x in m.modules() if hasattr(x, "config")]}
+            before = {i: c._attn_implementation_internal for i, c in cfgs.items()}
+            m.set_attn_implementation(ATTN_NAME)
+            self.configs = [c for i, c in cfgs.items() if c._attn_implementation_internal != before[i]]
+            saved = [(c, before[id(c)]) for c in self.configs]
+        else:
+            saved = [(c, c._attn_implementation_internal) for c in self.configs]
+            for c, _ in saved:
+                c._attn_implementation_internal = ATTN_NAME
+        try:
+            yield
+        finally:
+            for c, v in saved:
+                c._attn_implementation_internal = v

@@ -20,7 +20,7 @@ from ..comm.strategies import STRATEGIES
 from ..comm.validate import agree
 from . import _steps as S
 from ._history import History
-from .attention import ATTN_NAME, StepContext, TreeAttnCache
+from .attention import AttnSwitch, StepContext, TreeAttnCache
 
 ATTENTIONS = ("tree", "ring")
 PREFILLS = ("auto", "tree", "ring")
@@ -131,6 +131,7 @@ class Session:
         self.device = next(model.parameters()).device
         self.cache: ShardedKVCache | None = None
         self._tc: TreeAttnCache | None = None
+        self._switch = AttnSwitch(model)
         self.history = History()  # committed ids and lengths, on the host
         self._pending: tuple | None = None  # the last step: tokens, parents, K/V per layer, hidden states
         self.hidden = None  # a contrastive.HiddenStore when the hidden states of the tokens are kept
@@ -386,13 +387,11 @@ class Session:
 
     @contextlib.contextmanager
     def _treeattn(self):
-        prev = self.model.config._attn_implementation
-        self.model.set_attn_implementation(ATTN_NAME)
         try:
-            yield
+            with self._switch():
+                yield
         finally:
             self._tc.ctx = None
-            self.model.set_attn_implementation(prev)
 
     def _forward(self, ctx: StepContext, ids: Tensor, pos: Tensor) -> Tensor:
         self._tc.ctx = ctx

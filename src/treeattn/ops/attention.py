@@ -212,6 +212,18 @@ def _attention(
     # fused_cuda: per-row bounds) or refuses
     backend = resolve(backend, Call.of(q, v, mask=mask, softcap=softcap, kv_start=kv_start, kv_end=kv_end))
     G = Hq // Hkv
+    if (
+        kv_lens is not None
+        and q.device.type == "cpu"
+        and kv_start is None
+        and kv_end is None
+        and not (causal and Tq > 1)
+    ):
+        lens = kv_lens.tolist()  # a host tensor: no sync. One length for every sequence (a decode step's
+        if len(set(lens)) == 1:  # cache): a slice of the keys, no per-row bounds to build and trim
+            n = min(max(int(lens[0]), 0), S)
+            k, v, S, kv_lens = k[:, :, :n], v[:, :, :n], n, None
+            mask = None if mask is None else mask[..., :n]
     # every row's visible keys are [lo, hi) (AND the optional dense mask), computed here only
     lo, hi = _row_bounds(B, Tq, G, S, kv_lens, causal, kv_start, kv_end, q.device)
     if backend == "triton":  # straight to the kernel: it reads each row's bounds itself (no trim, no sync)
