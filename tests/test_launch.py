@@ -73,3 +73,27 @@ def test_timeout():
     assert 5 <= took < 30, took
     assert ei.value.rank is None
     assert "timed out" in str(ei.value)
+
+
+def test_torchrun_group_has_the_collective_timeout_and_is_destroyed(monkeypatch):
+    """The CLIs' torchrun path: the group comes from torchrun's environment with the given
+    collective timeout (serve's copy once ignored --collective-timeout) and is destroyed on
+    the way out, an exception included."""
+    import socket
+
+    from treeattn.comm.shm_small import _timeout
+    from treeattn.launch import torchrun_group, under_torchrun
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert under_torchrun()
+    with pytest.raises(KeyError), torchrun_group("gloo", threads=torch.get_num_threads(), collective_timeout=37):
+        assert dist.is_initialized() and not under_torchrun()
+        assert _timeout(None) == 37
+        raise KeyError("a failing worker")
+    assert not dist.is_initialized()

@@ -8,6 +8,7 @@ writes its traceback as text, which the launcher reads and reports.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import multiprocessing as mp
@@ -17,10 +18,10 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-__all__ = ["launch", "LaunchError"]
+__all__ = ["LaunchError", "launch", "torchrun_group", "under_torchrun"]
 
 
 class LaunchError(RuntimeError):
@@ -178,3 +179,26 @@ def launch(
             if stopped:  # a rank that neither finished nor failed may be the one that stalled
                 how += f"; rank(s) {stopped} still running {grace:g} s later were killed"
             raise LaunchError(f"rank {r} of {nproc} failed ({how})", rank=r, details=text)
+
+
+def under_torchrun() -> bool:
+    """Whether this process is a torchrun rank whose process group is not set up yet."""
+    import torch.distributed as dist
+
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized()
+
+
+@contextlib.contextmanager
+def torchrun_group(backend: str, threads: int = 1, collective_timeout: float = 120.0) -> Iterator[None]:
+    """Under torchrun: the process group from its environment, with ``threads`` compute threads
+    and the same collective timeout :func:`launch` gives; destroyed on the way out, whatever
+    happened (the CLIs' torchrun path, so it cannot drift from the launcher's)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=collective_timeout))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -411,23 +411,20 @@ def add_parser(sub) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
-    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized()
-    if torchrun:
+    from ..launch import LaunchError, launch, torchrun_group, under_torchrun
+
+    if under_torchrun():
         if a.prompt_file == "-":
             print("treeattn generate: --prompt-file - (stdin) needs the local launcher, not torchrun", file=sys.stderr)
             return 2
-        torch.set_num_threads(a.threads)
-        dist.init_process_group("nccl" if a.device == "cuda" else "gloo")
-        try:
-            worker(a)
-        except UsageError as e:
-            if dist.get_rank() == 0:
-                print(f"treeattn generate: {e}", file=sys.stderr)
-            return 2
-        finally:
-            dist.destroy_process_group()
+        with torchrun_group("nccl" if a.device == "cuda" else "gloo", a.threads):
+            try:
+                worker(a)
+            except UsageError as e:
+                if dist.get_rank() == 0:
+                    print(f"treeattn generate: {e}", file=sys.stderr)
+                return 2
         return 0
-    from ..launch import LaunchError, launch
 
     try:
         job = prepare(a, a.nproc)

@@ -161,17 +161,17 @@ def run(a: argparse.Namespace) -> int:
     except ImportError:
         print("treeattn serve needs FastAPI and uvicorn: pip install 'treeattn[serve]'", file=sys.stderr)
         return 2
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():  # torchrun
-        torch.set_num_threads(a.threads)
-        dist.init_process_group("nccl" if a.device == "cuda" else "gloo")
-        try:
-            worker(a, None, local=False)
-        except UsageError as e:
-            if dist.get_rank() == 0:
-                print(f"treeattn serve: {e}", file=sys.stderr)
-            return 2
+    from ..launch import LaunchError, launch, torchrun_group, under_torchrun
+
+    if under_torchrun():  # the collective timeout as under the launcher; the group destroyed on the way out
+        with torchrun_group("nccl" if a.device == "cuda" else "gloo", a.threads, a.collective_timeout):
+            try:
+                worker(a, None, local=False)
+            except UsageError as e:
+                if dist.get_rank() == 0:
+                    print(f"treeattn serve: {e}", file=sys.stderr)
+                return 2
         return 0
-    from ..launch import LaunchError, launch
 
     try:
         model_dir = prepare(a)
