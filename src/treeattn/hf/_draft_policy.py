@@ -11,7 +11,11 @@ Both sides are measured on rank 0 as the generation runs:
 - **cost**: each step's wall time by its token count (collective waits included: what the
   step really costs on this machine), and the drafter's time per drafted token. The first step
   is plain, to measure the yardstick. A width not measured yet is interpolated linearly from
-  the widths that were (a prior of 5 % per extra token while only plain steps were seen).
+  the widths that were. While only plain steps were seen, each extra token is assumed to cost
+half a plain step, what a 2-core CPU measured (torch's linear layers take one token's rows
+much faster than two: docs/benchmarks.md §11): only strong evidence drafts before a wide step
+was measured, and a GPU, where wide steps cost next to nothing, finds that out at its first
+draft or probe.
 - **acceptance**, per kind of evidence: prompt lookup's drafts by the length of the n-gram they
   matched (a 1-gram match is weak evidence, a 3-gram strong), a draft model's as one kind. A
   discounted Beta count: recent steps weigh most (an answer that starts quoting the document
@@ -29,9 +33,9 @@ from __future__ import annotations
 
 MARGIN = 0.02  # a draft must promise 2 % more tokens per second than a plain step
 _DISCOUNT = 0.9  # weight of the past per observation of a kind
-_PRIOR = {1: (0.25, 4.0), 2: (1.0, 2.0)}  # Beta(a, b) of prompt lookup by n-gram length; others (1, 1)
+_PRIOR = {1: (0.25, 4.0), 2: (1.0, 2.0)}  # Beta(a, b) of prompt lookup by n-gram length; longer (1.5, 1)
 _MODEL_PRIOR = (1.0, 1.0)
-_BETA0 = 0.05  # prior cost of each extra token, relative to a plain step
+_BETA0 = 0.5  # prior cost of each extra token, relative to a plain step (a CPU's: see the module doc)
 _PROBE = 16  # a kind not drafted for this many steps of its evidence gets a 1-token draft
 
 
@@ -48,7 +52,7 @@ class DraftPolicy:
     # -- estimates -------------------------------------------------------------------------
     def _counts(self, kind) -> list[float]:
         if kind not in self.counts:  # the prior, as counts that fade like any observation
-            self.counts[kind] = list(_PRIOR.get(kind, (1.0, 1.0)) if isinstance(kind, int) else _MODEL_PRIOR)
+            self.counts[kind] = list(_PRIOR.get(kind, (1.5, 1.0)) if isinstance(kind, int) else _MODEL_PRIOR)
         return self.counts[kind]
 
     def alpha(self, kind) -> float:
