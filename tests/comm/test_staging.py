@@ -11,7 +11,8 @@ from treeattn.launch import launch
 
 def staging_worker() -> None:
     import treeattn
-    from treeattn.comm import collectives as C
+    from treeattn.comm import _pg as C  # the process group's path, where staging lives
+    from treeattn.comm import collectives
     from treeattn.parallel.prefill import ring_prefill, tree_prefill
 
     rank, p = dist.get_rank(), dist.get_world_size()
@@ -32,7 +33,7 @@ def staging_worker() -> None:
         res.append(ring_prefill(qm, km, km, pos))
         res.append(tree_prefill(qm, km, km, pos, mine))
         b = torch.arange(6.0) * (rank + 1)
-        res.append(C.broadcast(b, None))
+        res.append(collectives.broadcast(b, None))
         return res
 
     direct = run()
@@ -68,5 +69,6 @@ def staging_worker() -> None:
 
 
 def test_staged_collectives_equal_direct():
-    launch(staging_worker, 2, timeout=180)
-    launch(staging_worker, 3, timeout=180)
+    off = {"TREEATTN_SHM": "0"}  # the small collectives through the process group: staged like a GPU's
+    launch(staging_worker, 2, timeout=180, env=off)
+    launch(staging_worker, 3, timeout=180, env=off)

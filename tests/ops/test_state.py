@@ -217,7 +217,7 @@ def test_merge_packed_equals_merge_states_n(kinds, seed, rows, dv):
     merge_states_n: empty states' NaN out ignored, NaN lse propagates to its rows, all-empty
     rows (0, -inf), far lse stable; and it matches the float64 merge."""
     from treeattn.ops._decode_cpu import kernel_available
-    from treeattn.ops.state import merge_packed
+    from treeattn.ops.packed import merge_packed
 
     assert kernel_available()  # else this tests the fallback against itself
     g = torch.Generator().manual_seed(seed)

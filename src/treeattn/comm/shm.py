@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import meter
-from .collectives import _failure, _Request, all_gather, all_reduce, broadcast, group_or_world, world
+from ._pg import _failure, _Request, all_gather, all_reduce, broadcast, group_or_world, world
 
 _DIR = "/dev/shm"
 _TAG = 9  # the ready messages' tag (the ring's own messages use tags 0 and 1)

@@ -37,8 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import collectives as C
-from . import meter
+from . import _pg, meter
 from .shm import _DIR, as_tensor, map_group
 
 SMALL = 1 << 20  # bytes of the largest payload per rank that goes through shared memory
@@ -64,7 +63,7 @@ def _start_time(pid: int) -> int | None:
 
 def _timeout(group) -> float:
     try:
-        return C.group_or_world(group)._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        return _pg.group_or_world(group)._get_backend(torch.device("cpu")).options._timeout.total_seconds()
     except Exception:  # no such attribute in this torch: gloo's default
         return 1800.0
 
@@ -108,7 +107,7 @@ class _Small:
                     why = f"group rank {j} did not arrive within the collective timeout ({self.timeout:.0f} s)"
                 if why is not None:
                     e = RuntimeError(f"shared-memory round {r}: {why}")
-                    raise C._failure(self._op, self.group, e)
+                    raise _pg._failure(self._op, self.group, e)
 
     def _publish(self, payload: Tensor | None) -> int:
         """Start a round: write ``payload`` (flat bytes) to this rank's slot once every peer
@@ -139,7 +138,7 @@ class _Small:
                 if tag == r
                 else f"out of step with group rank {j} ({tag} != {r})"
             )
-            raise C._failure(self._op, self.group, RuntimeError(f"shared-memory round {r}: {why}"))
+            raise _pg._failure(self._op, self.group, RuntimeError(f"shared-memory round {r}: {why}"))
 
     def all_gather(self, t: Tensor, out: Tensor) -> Tensor:
         """``out [p * t.numel()]`` (t's dtype) filled in rank order."""
@@ -171,7 +170,7 @@ def small_group(group, t: Tensor, nbytes: int) -> _Small | None:
     collective on the first eligible call per group."""
     if not 0 < nbytes <= SMALL or t.device.type != "cpu":
         return None
-    g = C.group_or_world(group)
+    g = _pg.group_or_world(group)
     st = _GROUPS.get(g)
     if st is None:
         _GROUPS[g] = False  # its set-up runs collectives: they take gloo, unmetered
@@ -187,9 +186,9 @@ def _setup(group) -> _Small | bool:
         gloo = False
     ok = gloo and platform.machine().lower() in ("x86_64", "amd64")  # the same on every rank of a host
     ok = ok and os.environ.get("TREEATTN_SHM", "1") != "0" and os.path.isdir(_DIR) and os.access(_DIR, os.W_OK)
-    if not gloo or not bool(C.all_reduce(torch.tensor([float(ok)]), dist.ReduceOp.MIN, group)[0] > 0):
+    if not gloo or not bool(_pg.all_reduce(torch.tensor([float(ok)]), dist.ReduceOp.MIN, group)[0] > 0):
         return False
-    rank, p = C.world(group)
+    rank, p = _pg.world(group)
     maps = map_group(group, _HEAD + 2 * _SLOT, token=secrets.randbits(62))
     if maps is None:
         return False
@@ -198,7 +197,7 @@ def _setup(group) -> _Small | bool:
     _WORD.pack_into(maps[rank], 0, 0)
     _WORD.pack_into(maps[rank], 8, os.getpid())
     _WORD.pack_into(maps[rank], 16, me)
-    C.all_reduce(torch.zeros(1), dist.ReduceOp.SUM, group)
+    _pg.all_reduce(torch.zeros(1), dist.ReduceOp.SUM, group)
     for j in range(p):  # a pid is checked only where /proc shows the same process (one pid namespace)
         pid, start = _WORD.unpack_from(maps[j], 8)[0], _WORD.unpack_from(maps[j], 16)[0]
         st.pids.append(pid if j != rank and start >= 0 and _start_time(pid) == start else None)

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ..cost.model import Cluster, choose, reduction_costs
 from ..cost.profile import resolve
-from ..ops.state import merge_packed
+from ..ops.packed import merge_packed
 from . import meter
 from .collectives import all_gather, all_reduce, group_or_world, world
 from .topology import Topology, node_groups

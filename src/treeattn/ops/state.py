@@ -145,15 +145,3 @@ def merge_into(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> No
         out_a.masked_fill_(wa == 0, 0.0)
     out_a.mul_(wa).addcmul_(out_b, wb)
 
-
-def merge_packed(buf: Tensor) -> tuple[Tensor, Tensor]:
-    """:func:`merge_states_n` of ``buf [N, ..., Dv + 1]`` (each row: out, then lse) along dim 0:
-    ``(out [..., Dv], lse [...])``. A contiguous float32 CPU buffer takes the compiled merge (one
-    call instead of a dozen small ops: a decode step's reduction runs once per layer)."""
-    if buf.device.type == "cpu" and buf.dtype == torch.float32 and buf.is_contiguous() and buf.ndim > 1:
-        from ._decode_cpu import merge_packed_cpu
-
-        r = merge_packed_cpu(buf)
-        if r is not None:
-            return r
-    return merge_states_n(buf[..., :-1], buf[..., -1])
