@@ -12,18 +12,18 @@ Both sides are measured on rank 0 as the generation runs:
   step really costs on this machine), and the drafter's time per drafted token. The first step
   is plain, to measure the yardstick. A width not measured yet is interpolated linearly from
   the widths that were. While only plain steps were seen, each extra token is assumed to cost
-half a plain step, what a 2-core CPU measured (torch's linear layers take one token's rows
-much faster than two: docs/benchmarks.md §11): only strong evidence drafts before a wide step
-was measured, and a GPU, where wide steps cost next to nothing, finds that out at its first
-draft or probe.
+  half a plain step, what a 2-core CPU measured (torch's linear layers take one token's rows
+  much faster than two: docs/benchmarks.md §11): only strong evidence drafts before a wide
+  step was measured, and a GPU, where wide steps cost next to nothing, finds that out at its
+  first draft or probe.
 - **acceptance**, per kind of evidence: prompt lookup's drafts by the length of the n-gram they
   matched (a 1-gram match is weak evidence, a 3-gram strong), a draft model's as one kind. A
   discounted Beta count: recent steps weigh most (an answer that starts quoting the document
   is noticed within a few steps, one that stops quoting as fast), and the prior is sceptical
   of short matches, so a 1-gram is drafted only after such drafts were seen to pay. A kind
-not drafted for a while gets a one-token probe (every :data:`_PROBE` steps at least, rarer
-where a wide step is expensive: probes cost under 1 % of the time), so a change of regime is
-found again.
+  not drafted for a while gets a one-token probe (every :data:`_PROBE` steps at least, rarer
+  where a wide step is expensive: probes cost under 1 % of the time), so a change of regime
+  is found again.
 
 Only draft lengths change: verification is untouched, so greedy output stays plain greedy's
 and sampling stays lossless.
