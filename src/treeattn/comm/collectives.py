@@ -34,7 +34,7 @@ def all_reduce(t: Tensor, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup 
         if sm is not None:
             t = t.contiguous()
             meter.record("all_reduce", 2 * (p - 1) / p * n, 2 * (p - 1) / p * n)
-            g = sm.all_gather(t, torch.empty(p * t.numel(), dtype=t.dtype))
+            g = sm.all_gather(t, torch.empty(p * t.numel(), dtype=t.dtype), "all_reduce")
             return t.copy_(reduce_gathered(g.view(p, *t.shape), op))
     return _pg.all_reduce(t, op, group)
 

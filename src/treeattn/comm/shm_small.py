@@ -140,9 +140,9 @@ class _Small:
             )
             raise _pg._failure(self._op, self.group, RuntimeError(f"shared-memory round {r}: {why}"))
 
-    def all_gather(self, t: Tensor, out: Tensor) -> Tensor:
-        """``out [p * t.numel()]`` (t's dtype) filled in rank order."""
-        self._op = "all_gather"
+    def all_gather(self, t: Tensor, out: Tensor, op: str = "all_gather") -> Tensor:
+        """``out [p * t.numel()]`` (t's dtype) filled in rank order; ``op`` names it in errors."""
+        self._op = op
         src = t.reshape(-1).contiguous().view(torch.uint8)
         r = self.round + 1
         off = self._publish(src)
