@@ -30,7 +30,7 @@ def all_reduce(t: Tensor, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup 
     _, p = world(group)
     if p > 1 and op in SHM_OPS:
         n = t.numel() * t.element_size()
-        sm = small_group(group, t, n)
+        sm = small_group(group, t, n, "all_reduce")
         if sm is not None:
             t = t.contiguous()
             meter.record("all_reduce", 2 * (p - 1) / p * n, 2 * (p - 1) / p * n)
@@ -44,7 +44,7 @@ def all_gather(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     _, p = world(group)
     if p > 1:
         n = t.numel() * t.element_size()
-        sm = small_group(group, t, n)
+        sm = small_group(group, t, n, "all_gather")
         if sm is not None:
             meter.record("all_gather", (p - 1) * n, (p - 1) * n)
             return sm.all_gather(t, torch.empty(p * t.numel(), dtype=t.dtype)).view(p, *t.shape)
@@ -57,7 +57,7 @@ def broadcast(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     rank, p = world(group)
     if p > 1:
         n = t.numel() * t.element_size()
-        sm = small_group(group, t, n)
+        sm = small_group(group, t, n, "broadcast")
         if sm is not None:
             meter.record("broadcast", n if rank == 0 else 0, 0 if rank == 0 else n)
             via = t.contiguous()

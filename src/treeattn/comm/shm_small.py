@@ -104,7 +104,9 @@ class _Small:
                 if self.pids[j] is not None and _start_time(self.pids[j]) is None:
                     why = f"group rank {j} (pid {self.pids[j]}) exited"
                 elif now - t0 > self.timeout:
-                    why = f"group rank {j} did not arrive within the collective timeout ({self.timeout:.0f} s)"
+                    why = (
+                        f"Timed out: group rank {j} did not arrive within the collective timeout ({self.timeout:.0f} s)"
+                    )
                 if why is not None:
                     e = RuntimeError(f"shared-memory round {r}: {why}")
                     raise _pg._failure(self._op, self.group, e)
@@ -164,18 +166,21 @@ class _Small:
             self._read(0, r, off, flat)
 
 
-def small_group(group, t: Tensor, nbytes: int) -> _Small | None:
-    """The group's shared-memory exchange when a collective of ``nbytes`` per rank on ``t``
-    may use it, else None. Every rank decides alike (same size, dtype, device and group);
-    collective on the first eligible call per group."""
+def small_group(group, t: Tensor, nbytes: int, op: str) -> _Small | None:
+    """The group's shared-memory exchange when a collective ``op`` of ``nbytes`` per rank on
+    ``t`` may use it, else None. Every rank decides alike (same size, dtype, device and
+    group); collective on the first eligible call per group (a failure there is ``op``'s)."""
     if not 0 < nbytes <= SMALL or t.device.type != "cpu":
         return None
     g = _pg.group_or_world(group)
     st = _GROUPS.get(g)
     if st is None:
         _GROUPS[g] = False  # its set-up runs collectives: they take gloo, unmetered
-        with meter.paused():
-            st = _GROUPS[g] = _setup(group)
+        try:
+            with meter.paused():
+                st = _GROUPS[g] = _setup(group)
+        except _pg.CollectiveError as e:  # a peer stalled or died during the set-up
+            raise _pg._failure(op, group, e.__cause__ or e) from (e.__cause__ or e)
     return st or None
 
 
