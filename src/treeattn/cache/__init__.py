@@ -1,6 +1,7 @@
 """Sequence-sharded KV cache: placement of tokens on ranks, local buffers, global positions."""
 
 from .placement import PLACEMENTS, Placement
+from .rows import RowCache
 from .sharded import ShardedKVCache
 
-__all__ = ["PLACEMENTS", "Placement", "ShardedKVCache"]
+__all__ = ["PLACEMENTS", "Placement", "RowCache", "ShardedKVCache"]

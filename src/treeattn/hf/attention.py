@@ -77,7 +77,7 @@ class _Layer(CacheLayerMixin):
         if ctx.mode == "prefill":
             n = ctx.n_real
             self.owner.sharded.store_prefill(self.idx, key_states[:, :, :n], value_states[:, :, :n], ctx.start)
-        elif ctx.mode == "step":  # kept aside: only the tokens a later keep() commits are stored
+        elif ctx.mode in ("step", "rows"):  # kept aside: stored by keep() / the batch runner
             ctx.stash[self.idx] = (key_states, value_states)
         else:
             self.owner.sharded.store_decode(self.idx, key_states, value_states)
@@ -124,7 +124,9 @@ def treeattn_attention(
     _refuse(module, dropout, kwargs)
     window = layer_window(module, kwargs)
     softcap = kwargs.get("softcap")
-    if ctx.mode == "prefill":
+    if ctx.mode == "rows":  # a batched step over shared prefixes (hf._cascade)
+        out = ctx.attend(module.layer_idx, query, key, value, scaling, window, softcap)
+    elif ctx.mode == "prefill":
         n, rank = ctx.n_real, ctx.cache.rank
         stop = len(ctx.positions[rank])  # this rank's keys up to and including this chunk (stored above)
         k, v, _ = ctx.cache.local(module.layer_idx, stop)

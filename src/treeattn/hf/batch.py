@@ -1,0 +1,161 @@
+"""BatchRunner: many sequences decoded together, one forward per step, over shared prefixes.
+
+A *prefix* (a document, a system prompt, a conversation so far) is a :class:`Session` of one
+sequence, prefilled once and sharded over the ranks. A *row* is a running sequence: it reads
+the first ``keep`` tokens of one prefix (or none) and holds its own tokens in a
+:class:`~treeattn.cache.RowCache`, laid out as if they continued the prefix. One call of
+:meth:`BatchRunner.run` runs ``T`` new tokens for each of several rows in one forward: the
+rows reading the same prefix attend to it together (one pass over its K/V per rank,
+:mod:`treeattn.hf._cascade`), and with Tree Attention every layer crosses the ranks in one
+reduction, as for a single sequence.
+
+Every rank makes the same calls with the same arguments in the same order (the server's
+rank 0 decides them and broadcasts them); nothing here checks that: the calls are meant to
+come from a plan every rank received.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..cache import Placement, RowCache
+from ..comm.collectives import world
+from . import _steps as S
+from ._cascade import PrefixGroup, RowsStep
+from .attention import AttnSwitch, TreeAttnCache
+from .session import Session
+
+
+class _Lens:
+    """What :class:`TreeAttnCache` reads of its store: layers and global lengths."""
+
+    def __init__(self, num_layers: int, seq_lens: Tensor) -> None:
+        self.num_layers, self.seq_lens = num_layers, seq_lens
+
+
+class BatchRunner:
+    """Prefixes and running rows of one model on every rank of ``group``.
+
+    Args:
+        model: a transformers causal LM (as :class:`Session`), the same weights on every rank.
+        group: the sequence-parallel process group (default: the world).
+        max_batch: rows that may run at once.
+        session_kw: :class:`Session` keyword arguments of every prefix (placement, block,
+            attention, strategy, prefill, prefill_chunk); ``attention`` and ``strategy`` also
+            decide the rows' decoding.
+    """
+
+    def __init__(self, model: torch.nn.Module, group: dist.ProcessGroup | None = None, max_batch: int = 8,
+                 **session_kw) -> None:  # fmt: skip
+        why = S.model_problem(model)
+        if why is not None:
+            raise ValueError(why)
+        if type(max_batch) is not int or max_batch < 1:
+            raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
+        self.model, self.group, self.kw = model, group, dict(session_kw)
+        self.rank, self.p = world(group)
+        cfg = model.config
+        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        self.decoder = model.get_decoder()
+        self.rows = RowCache(cfg.num_hidden_layers, max_batch, cfg.num_key_value_heads, hd, rank=self.rank,
+                             p=self.p, dtype=self.dtype, device=self.device)  # fmt: skip
+        self.prefixes: dict[int, Session] = {}
+        self.row_prefix: list[int | None] = [None] * max_batch
+        self.row_ids: list[list[int]] = [[] for _ in range(max_batch)]  # the row's own token ids
+        self._switch = AttnSwitch(model)
+        self.max_pos = getattr(cfg, "max_position_embeddings", None) or (1 << 62)
+
+    # -- prefixes --------------------------------------------------------------------
+    def prefill(self, pid: int, ids: list[int] | Tensor) -> None:
+        """Append ``ids`` to prefix ``pid`` (created empty first if new) with the Session's
+        chunked, sharded prefill."""
+        if pid not in self.prefixes:
+            self.prefixes[pid] = Session(self.model, self.group, **self.kw)
+        t = torch.as_tensor(ids, dtype=torch.int64).reshape(1, -1)
+        self.prefixes[pid].extend(t, check=False)
+
+    def drop(self, pid: int) -> None:
+        """Forget prefix ``pid`` (no open row may read it)."""
+        if pid in self.row_prefix:
+            raise RuntimeError(f"prefix {pid} is read by a running row")
+        del self.prefixes[pid]
+
+    def held(self, pid: int) -> int:
+        """The most K/V tokens one rank holds of prefix ``pid``."""
+        c = self.prefixes[pid].cache
+        return int(c.counts.max()) if c is not None else 0
+
+    # -- rows ------------------------------------------------------------------------
+    def open(self, row: int, pid: int | None, keep: int) -> None:
+        """Start ``row`` after the first ``keep`` tokens of prefix ``pid`` (None and 0: no prefix)."""
+        if pid is None:
+            pl = Placement(self.kw.get("placement", "interleaved"), self.p, self.kw.get("block") or 1)
+            self.rows.open(row, 0, pl, torch.zeros(self.p, dtype=torch.int64))
+        else:
+            c = self.prefixes[pid].cache
+            if not 0 < keep <= len(self.prefixes[pid]):
+                raise ValueError(f"keep {keep} outside prefix {pid}'s {len(self.prefixes[pid])} tokens")
+            own = c.owner[0, :keep].to(torch.int64)
+            self.rows.open(row, keep, c.placement, torch.bincount(own, minlength=self.p))
+        self.row_prefix[row], self.row_ids[row] = pid, []
+
+    def close(self, row: int, adopt: bool = False) -> None:
+        """End ``row``. ``adopt``: when it read its whole prefix, that prefix takes the row's
+        tokens (a rank-local copy: they already sit where the prefix's layout puts them), so
+        a later request that continues this sequence finds all of it cached."""
+        pid = self.row_prefix[row]
+        if adopt and pid is not None and self.row_ids[row] and int(self.rows.start[row]) == len(self.prefixes[pid]):
+            self._adopt(self.prefixes[pid], row)
+        self.rows.close(row)
+        self.row_prefix[row], self.row_ids[row] = None, []
+
+    def length(self, row: int) -> int:
+        """Global length of ``row``'s sequence (its prefix part included)."""
+        return int(self.rows.start[row] + self.rows.n[row])
+
+    @torch.no_grad()
+    def run(self, rows: list[int], ids: Tensor) -> Tensor:
+        """Run ``ids [n, T]`` (host int64) after what each of ``rows`` holds, in one forward, and
+        append them to the rows. Returns the float32 logits ``[n, V]`` (float64 for a float64
+        model) at each row's last new token."""
+        n, T = ids.shape
+        pos = torch.stack([self.rows.start[r] + self.rows.n[r] for r in rows])[:, None] + torch.arange(T)[None, :]
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, r in enumerate(rows):
+            if self.row_prefix[r] is not None:
+                groups.setdefault((self.row_prefix[r], int(self.rows.start[r])), []).append(i)
+        ctx = RowsStep(self.rows, list(rows), pos, [
+            PrefixGroup(self.prefixes[pid].cache, keep, torch.tensor(lines, device=self.device))
+            for (pid, keep), lines in groups.items()
+        ], self.kw.get("attention", "tree"), self.kw.get("strategy", "auto"), self.group)  # fmt: skip
+        tc = TreeAttnCache(_Lens(self.rows.L, pos[:, 0]))
+        tc.ctx = ctx
+        with self._switch():
+            hidden = self.decoder(input_ids=ids.to(self.device), position_ids=pos.to(self.device),
+                                  **S._cache_kw(self.decoder, tc), use_cache=True, treeattn_ctx=ctx).last_hidden_state  # fmt: skip
+        i, j, slots = self.rows.place(list(rows), T)
+        dev_i, dev_j, dev_s = i.to(self.device), j.to(self.device), slots.to(self.device)
+        rid = torch.tensor(rows, dtype=torch.int64, device=self.device)[dev_i]
+        for layer, (k, v) in ctx.stash.items():
+            self.rows.store(layer, rid, dev_s, k[dev_i, :, dev_j], v[dev_i, :, dev_j])
+        for x, r in enumerate(rows):
+            self.row_ids[r].extend(ids[x].tolist())
+        return S.lm_logits(self.model, hidden[:, -1])
+
+    def _adopt(self, sess: Session, row: int) -> None:
+        c, rc = sess.cache, self.rows
+        n = int(rc.n[row])
+        b, _, slots = c.place(n)
+        if len(slots) != int(rc.kv_len[row]):  # cannot happen: both follow the prefix's placement
+            raise RuntimeError("a row's layout differs from its prefix's")
+        sd = slots.to(self.device)
+        bd = b.to(self.device)
+        for layer in range(rc.L):
+            m = int(rc.kv_len[row])
+            c.store_slots(layer, bd, sd, rc.k[layer][row, :, :m].transpose(0, 1), rc.v[layer][row, :, :m].transpose(0, 1))
+        before = sess.history.lens.clone()
+        sess.history.commit(torch.tensor([self.row_ids[row]]), before, torch.full_like(before, n))
