@@ -22,7 +22,9 @@ pytest.importorskip("transformers")
 
 from server import Server, alive  # noqa: E402
 from treeattn.hf.presets import build_model  # noqa: E402
-from treeattn.serve.engine import Engine, Request, _first_stop, _safe_prefix  # noqa: E402
+from treeattn.serve.engine import Engine, Request  # noqa: E402
+from treeattn.serve.request import first_stop as _first_stop  # noqa: E402
+from treeattn.serve.request import safe_prefix as _safe_prefix  # noqa: E402
 
 MODEL = "tiny-llama"
 
@@ -235,9 +237,8 @@ def test_tiny_server(tiny_server):
         ev = list(s.events("/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": n, "temperature": 0,
                                                "stream_options": {"include_usage": True}}))  # fmt: skip
         assert ev[-1] == "[DONE]" and ev[-2]["choices"] == [] and ev[-2]["usage"]["completion_tokens"] == len(ref)
-        # the same prompt again: reused unless that would drop more of the entry (the answer) than it keeps
-        held = L + len(ref) - 1
-        assert ev[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == (L - 1 if held - (L - 1) <= L - 1 else 0)
+        # the same prompt again: all but its last token is cached (the entry kept the prompt and the answer)
+        assert ev[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == L - 1
         assert "".join(e["choices"][0]["text"] for e in ev[:-2]) == body["choices"][0]["text"]
         assert ev[-3]["choices"][0]["finish_reason"] == body["choices"][0]["finish_reason"]
     # sampling: a seed reproduces the text; temperature and top_p are applied on rank 0

@@ -41,7 +41,7 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
 from starlette.exceptions import HTTPException
 
-from .engine import Request as Job
+from .request import Request as Job
 
 
 class ApiError(Exception):

@@ -70,7 +70,7 @@ def worker(a: argparse.Namespace, model_dir: str | None, local: bool) -> None:
         kernel_available()
     kw = dict(placement=a.placement, attention=a.attention, strategy=a.strategy,
               prefill_chunk=a.prefill_chunk or None, block=a.block, prefill=a.prefill)  # fmt: skip
-    engine = Engine(model, None, kw, a.cache_tokens)
+    engine = Engine(model, None, kw, a.cache_tokens, max_batch=a.max_batch)
     if rank:
         engine.follow()
         return
@@ -98,7 +98,7 @@ def worker(a: argparse.Namespace, model_dir: str | None, local: bool) -> None:
             signal.signal(s, lambda *_: stopping.set())
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     say(f"treeattn serve: listening on {url} (model {state.model_name}, p={p}, {a.dtype}, attention {a.attention}, "
-        f"placement {a.placement}, prefix cache {a.cache_tokens or 'off'}"
+        f"placement {a.placement}, batch {a.max_batch}, prefix cache {a.cache_tokens or 'off'}"
         f"{' KV tokens per rank' if a.cache_tokens else ''}, queue {a.max_queue})")  # fmt: skip
     try:
         engine.serve(state.requests, stopping, on_failure=lambda why: setattr(state, "failed", why))
@@ -118,7 +118,8 @@ def add_parser(sub) -> None:
         help="an OpenAI-compatible server whose ranks keep the KV cache sharded between requests",
         description="An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health) "
         "over ranks that keep the KV of earlier requests sharded as it was built: a request sharing a prefix with "
-        "a cached one prefills only the rest. Rank 0 serves HTTP; requests run one at a time (FIFO).",
+        "a cached one prefills only the rest. Rank 0 serves HTTP; up to --max-batch requests run together, one "
+        "forward per step, their queries reading a shared prefix once (FIFO admission).",
     )
     src = g.add_mutually_exclusive_group()
     src.add_argument("--model", help="a local model directory, a .gguf file or a hub id (as treeattn generate)")
@@ -133,9 +134,11 @@ def add_parser(sub) -> None:
         "--cache-tokens",
         type=at_least(0),
         default=32768,
-        help="KV tokens per rank the prefix cache may hold, the running request included; least recently used "
-        "prefixes go first (default 32768; 0: no prefix cache)",
+        help="KV tokens per rank the prefix cache may hold, the running requests included (a shared prefix counts "
+        "once); least recently used prefixes no running request reads go first (default 32768; 0: no prefix cache)",
     )
+    g.add_argument("--max-batch", type=at_least(1), default=8,
+                   help="requests that run at once, batched into one forward per step (default 8; 1: one at a time)")  # fmt: skip
     g.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 429 (default 64)")
     g.add_argument("--attention", choices=["tree", "ring"], default="tree", help="decoding: Tree or Ring Attention")
     g.add_argument("--prefill", choices=["auto", "tree", "ring"], default="auto",

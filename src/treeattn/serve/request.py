@@ -1,0 +1,49 @@
+"""A generation request as rank 0's engine sees it, and the stop-string helpers of its stream."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+class BadRequest(ValueError):
+    """A request rank 0 refuses before it reaches the other ranks (the HTTP layer checks the
+    same first; this is the engine's own guard)."""
+
+
+@dataclass
+class Request:
+    """One generation, as rank 0 sees it. ``emit`` receives the events (called from the
+    engine's thread): ``("start", {"prompt_tokens", "cached_tokens"})``, ``("text", str)``,
+    ``("end", {"finish_reason", "completion_tokens", ...})`` or ``("error", (status, message))``."""
+
+    ids: list[int]
+    max_tokens: int
+    emit: Callable[[str, object], None]
+    decode: Callable[[list[int]], str]
+    temperature: float = 1.0
+    top_p: float | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    eos: list[int] = field(default_factory=list)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+def first_stop(text: str, stops: list[str], start: int) -> int | None:
+    """Where the first stop string begins in ``text`` (searching from ``start``), or None."""
+    hits = [i for i in (text.find(s, start) for s in stops if s) if i >= 0]
+    return min(hits) if hits else None
+
+
+def safe_prefix(text: str, stops: list[str]) -> str:
+    """What may be sent now: not a trailing partial character, nor a tail that may begin a
+    stop string."""
+    text = text.rstrip("\ufffd")
+    cut = len(text)
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                cut = min(cut, len(text) - k)
+                break
+    return text[:cut]

@@ -1,0 +1,248 @@
+"""Rank 0's side of the batched server: which requests run, what each step does, and what
+each request's tokens become (sampling, stop strings, streamed text).
+
+The scheduler admits a queued request when a row is free and no other prompt is being
+prefilled, chooses the cached prefix it reuses (the longest common prefix, when that keeps
+at least as much as the request adds), evicts least recently used prefixes that no running
+request reads to stay within ``cache_tokens`` per rank, and builds each step's plan: rows
+to close, prefixes to drop, at most one prefill chunk (a new prefix's, or a joining
+request's own tokens), and one decode token for every running request. Every rank
+(rank 0 included) then executes that plan (:meth:`treeattn.serve.engine.Engine.execute`).
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .plan import Plan
+from .request import BadRequest, Request, first_stop, safe_prefix
+
+
+@dataclass
+class Job:
+    """A request admitted to a row."""
+
+    req: Request
+    row: int
+    pid: int | None  # the prefix it reads (None: none)
+    keep: int  # tokens of the prefix it reads
+    cached: int  # prompt tokens found cached
+    todo: list = field(default_factory=list)  # prefill items left: ("prefix", pid, ids) or ("join", ids)
+    opened: bool = False
+    out: list[int] = field(default_factory=list)
+    last: int | None = None  # the token the next decode step runs
+    sent: str = ""
+    finish: str | None = None
+    reserve: int = 0  # KV tokens per rank its own tokens may take
+    t0: float = field(default_factory=time.perf_counter)
+    warp: object = None
+    gen: torch.Generator | None = None
+
+    def sample(self, logits: torch.Tensor) -> int:
+        if self.warp is None:
+            return int(logits.argmax())
+        none = torch.zeros(1, 0, dtype=torch.int64, device=logits.device)
+        probs = torch.softmax(self.warp(none, logits[None].float()), -1)  # temperature, top-p: no history needed
+        return int(torch.multinomial(probs, 1, generator=self.gen))
+
+    def take(self, tok: int) -> None:
+        """Append a sampled token; decide whether the request ends; send what text may go."""
+        req = self.req
+        self.out.append(tok)
+        finish = None
+        if tok in req.eos:
+            finish = "stop"
+        elif len(self.out) == req.max_tokens:
+            finish = "length"
+        text = req.decode(self.out[:-1] if tok in req.eos else self.out)
+        hold = max((len(s) for s in req.stop), default=0)
+        cut = first_stop(text, req.stop, max(0, len(self.sent) - hold))
+        if cut is not None:
+            text, finish = text[:cut], "stop"
+        if finish is None and req.cancelled.is_set():
+            finish = "cancelled"
+        safe = text if finish else safe_prefix(text, req.stop)
+        if len(safe) > len(self.sent):
+            req.emit("text", safe[len(self.sent) :])
+            self.sent = safe
+        self.finish, self.last = finish, tok
+
+
+class Scheduler:
+    """Rank 0's bookkeeping over the engine's :class:`~treeattn.hf.batch.BatchRunner` (which
+    rank 0 runs too, so the prefixes' contents are known here exactly)."""
+
+    def __init__(self, engine) -> None:
+        self.e, self.r = engine, engine.runner
+        self.jobs: list[Job] = []
+        self.held: Request | None = None  # admitted next, once it fits
+        self.free = list(range(engine.max_batch))
+        self.closing: list[tuple[int, int]] = []  # (row, adopt) for the next plan
+        self.dropping: list[int] = []
+        self.building: dict[int, int] = {}  # prefix being prefilled -> its KV tokens per rank when done
+        self.used: dict[int, int] = {}  # prefix -> last use (a clock of admissions)
+        self.next_pid, self.clock = 0, 0
+
+    # -- admission -------------------------------------------------------------------
+    def admit(self, requests: queue.Queue, wait: float) -> None:
+        """Admit what may run now; with nothing running, wait up to ``wait`` s for a request."""
+        while self.free and not any(j.todo for j in self.jobs) and not (self.closing or self.dropping):
+            req = self.held
+            self.held = None
+            if req is None:
+                try:
+                    req = requests.get(timeout=wait) if not self.jobs and wait else requests.get_nowait()
+                except queue.Empty:
+                    return
+            if req.cancelled.is_set():  # its client left while it waited
+                self.e.stats["cancelled"] += 1
+                continue
+            try:
+                self.e.check(req)
+            except BadRequest as err:
+                req.emit("error", (400, str(err)))
+                continue
+            if not self._start(req):
+                self.held = req
+                return
+
+    def _start(self, req: Request) -> bool:
+        e, r, ids = self.e, self.r, req.ids
+        L = len(ids)
+        pid, keep = None, 0
+        readers = {j.pid for j in self.jobs}
+        for q, sess in r.prefixes.items():
+            if q in self.dropping:
+                continue
+            k = min(sess.common_prefix(torch.tensor(ids)), L - 1)  # the last prompt token runs: its logits start the answer
+            if k > keep:
+                pid, keep = q, k
+        if pid is not None and L - keep > keep:  # it would add more than it reuses: a prefix of its own
+            pid, keep = None, 0
+        new = pid is None and L > 1
+        block = e.block_of(L if pid is None else None, None if pid is None else r.prefixes[pid])
+        reserve = e.per_rank(L - (L - 1 if new else keep) + req.max_tokens, block) + block
+        need = (e.per_rank(L - 1, block) if new else 0) + reserve
+        if e.cache_tokens:
+            protected = readers | {pid}
+            total, evict = need + self._committed(), []
+            for q in sorted((q for q in r.prefixes if q not in protected and q not in self.dropping),
+                            key=lambda q: self.used.get(q, 0)):  # fmt: skip
+                if total <= e.cache_tokens:
+                    break
+                evict.append(q)
+                total -= r.held(q)
+            if total > e.cache_tokens and self.jobs:  # wait for running requests to end (evicting nothing)
+                return False
+            self.dropping += evict
+        self.clock += 1
+        row = self.free.pop(0)
+        job = Job(req, row, pid, keep, keep, reserve=reserve)
+        if new:
+            pid = job.pid = self.next_pid
+            self.next_pid += 1
+            self.building[pid] = e.per_rank(L - 1, block)
+            step = e.prefill_step
+            job.todo = [("prefix", pid, ids[a : min(a + step, L - 1)]) for a in range(0, L - 1, step)]
+            job.keep = keep = L - 1
+        if pid is not None:
+            self.used[pid] = self.clock
+        step = e.join_step
+        job.todo += [("join", ids[a : a + step]) for a in range(keep, L, step)]
+        if req.temperature > 0:
+            from ..hf.generate import _processors
+
+            job.warp = _processors(req.temperature, None, req.top_p, None, None, r.device)
+        seed = req.seed if req.seed is not None else random.getrandbits(62)
+        job.gen = torch.Generator(device=r.device).manual_seed(seed)
+        self.jobs.append(job)
+        st = e.stats
+        st["requests"] += 1
+        st["prompt_tokens"] += L
+        st["cached_tokens"] += job.cached
+        req.emit("start", {"prompt_tokens": L, "cached_tokens": job.cached})
+        return True
+
+    def _committed(self) -> int:
+        """KV tokens per rank held or promised: prefixes (a prefix being built at its full
+        size) and every running request's own tokens."""
+        r = self.r
+        held = sum(max(r.held(q), self.building.get(q, 0)) for q in r.prefixes if q not in self.dropping)
+        held += sum(v for q, v in self.building.items() if q not in r.prefixes)
+        return held + sum(j.reserve for j in self.jobs)
+
+    # -- steps -----------------------------------------------------------------------
+    def plan(self) -> Plan | None:
+        """The next step, or None when there is nothing to do."""
+        for j in list(self.jobs):  # a client that left: its row goes at this step
+            if j.finish is None and j.req.cancelled.is_set():
+                j.finish = "cancelled"
+                self._end(j)
+        p = Plan(closes=self.closing, drops=self.dropping)
+        self.closing, self.dropping = [], []
+        for j in self.jobs:
+            if j.todo:
+                item = j.todo[0]
+                if item[0] == "prefix":
+                    p.prefix = (item[1], item[2])
+                else:
+                    p.join = (j.row, -1 if j.pid is None else j.pid, j.keep, int(not j.opened), item[1])
+                    j.opened = True
+                p.prefilling = j
+                break
+        p.decode = [(j.row, j.last) for j in self.jobs if j.finish is None and not j.todo and j.last is not None]
+        p.decoding = [j for j in self.jobs if j.finish is None and not j.todo and j.last is not None]
+        return None if p.empty() else p
+
+    def after(self, p: Plan, join_logits, dec_logits) -> None:
+        """Sample what the step produced; end the requests that finish."""
+        j = p.prefilling
+        if j is not None:
+            item = j.todo.pop(0)
+            if item[0] == "prefix" and not any(x[0] == "prefix" for x in j.todo):
+                self.building.pop(item[1], None)
+            if not j.todo and j.finish is None:
+                self._take(j, join_logits[0])
+        for i, j in enumerate(p.decoding):
+            self._take(j, dec_logits[i])
+
+    def _take(self, j: Job, logits) -> None:
+        try:
+            j.take(j.sample(logits))
+        except Exception as err:  # rank 0 alone raised (sampling, detokenizing, emit): end this request
+            j.finish = "error"
+            j.req.emit("error", (500, f"{type(err).__name__}: {err}"))
+        if j.finish is not None:
+            self._end(j)
+
+    def _end(self, j: Job) -> None:
+        e = self.e
+        self.jobs.remove(j)
+        if j.opened:
+            self.closing.append((j.row, int(j.finish not in ("error",) and e.cache_tokens > 0)))
+        self.free.append(j.row)
+        self.free.sort()
+        if j.pid is not None:
+            self.building.pop(j.pid, None)
+            if not e.cache_tokens and all(x.pid != j.pid for x in self.jobs):
+                self.dropping.append(j.pid)
+        st = e.stats
+        st["completion_tokens"] += len(j.out)
+        if j.finish == "cancelled":
+            st["cancelled"] += 1
+        if j.finish != "error":
+            j.req.emit("end", {"finish_reason": j.finish, "completion_tokens": len(j.out), "prompt_tokens": len(j.req.ids),
+                               "cached_tokens": j.cached, "seconds": time.perf_counter() - j.t0})  # fmt: skip
+
+    def fail(self, status: int, message: str) -> None:
+        """Every running and held request gets an error (a rank failed, or the server stops)."""
+        for j in self.jobs:
+            j.req.emit("error", (status, message))
+        if self.held is not None:
+            self.held.emit("error", (status, message))
+        self.jobs, self.held = [], None
