@@ -1,0 +1,130 @@
+"""treeattn.hf.BatchRunner: rows joining and leaving at random steps over shared prefixes, on
+tiny float64 models at p = 1, 2, 3, both placements, Tree and Ring, with sliding windows and
+softcaps. After every forward each row's logits equal single-process transformers run fresh
+on its whole sequence (the prefix part it reads, then its own tokens), and every rank holds
+exactly the row tokens its placement gives it, with the K/V transformers computes; a prefix
+that adopts a finished row is checked the same way."""
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("transformers")
+
+from test_session import Reference, check_shards, tiny64  # noqa: E402
+
+from treeattn.launch import launch  # noqa: E402
+
+
+def owners_after(prefix_owner: list[int], n: int, placement: str, p: int, block: int) -> list[int]:
+    """Owner ranks of ``n`` tokens appended to a sequence laid out as ``prefix_owner``."""
+    own = list(prefix_owner)
+    for _ in range(n):
+        pos = len(own)
+        if placement == "interleaved":
+            own.append((pos // block) % p)
+        else:
+            counts = [own.count(r) for r in range(p)]
+            own.append(counts.index(min(counts)))
+    return own[len(prefix_owner) :]
+
+
+def check_row(runner, row: int, seq: list[int], keep: int, owner: list[int], ref: Reference, what: str) -> None:
+    rank = dist.get_rank()
+    rc = runner.rows
+    mine = [keep + i for i, o in enumerate(owner) if o == rank]
+    n = int(rc.kv_len[row])
+    assert rc.positions[row, :n].tolist() == mine, f"{what}: row {row} rank {rank} holds {rc.positions[row, :n]}"
+    assert runner.row_ids[row] == seq[keep:], what
+    if mine:
+        for layer, (k, v) in enumerate(ref.keys(seq)):
+            got_k, got_v = rc.k[layer][row, :, :n], rc.v[layer][row, :, :n]
+            err = max((got_k - k[:, mine]).abs().max().item(), (got_v - v[:, mine]).abs().max().item())
+            assert err <= ref.kv_tol, f"{what}: row {row} layer {layer}: K/V off by {err:.3g}"
+
+
+def run_case(kind: str, placement: str, attention: str, seed: int, steps: int, chunk: int | None = 4) -> None:
+    from treeattn.hf.batch import BatchRunner
+
+    p = dist.get_world_size()
+    rng = random.Random(seed)
+    m = tiny64(kind)
+    V = m.config.vocab_size
+    block = rng.choice([None, 1, 3])
+    case = f"p={p} {kind} {placement} {attention} block={block} seed={seed}"
+    runner = BatchRunner(m, max_batch=4, placement=placement, attention=attention, prefill_chunk=chunk, block=block)
+    refs: dict[int, Reference] = {}
+    for pid in (0, 1):  # two shared prefixes, prefilled in one or two calls
+        ref = refs[pid] = Reference(m, placement, p)
+        a = [rng.randrange(V) for _ in range(rng.randrange(8, 30))]
+        runner.prefill(pid, a)
+        ref.block = runner.prefixes[pid].cache.placement.block
+        ref.extend([a])
+        if rng.random() < 0.5:
+            b = [rng.randrange(V) for _ in range(rng.randrange(1, 9))]
+            runner.prefill(pid, b)
+            ref.extend([b])
+        check_shards(runner.prefixes[pid], ref, f"{case} prefix {pid}")
+    rows: dict[int, dict] = {}  # row -> {pid, keep, seq, owner}
+    for step in range(steps):
+        what = f"{case} step {step}"
+        free = [r for r in range(4) if r not in rows]
+        if free and (not rows or rng.random() < 0.4):  # a row joins: a prefix (or none), a keep, its own tokens
+            row = rng.choice(free)
+            pid = rng.choice([0, 0, 1, None])
+            if pid is None:
+                keep, seq, own, blk = 0, [], [], block or 1
+            else:
+                ref = refs[pid]
+                keep = rng.randrange(1, len(ref.ids[0]) + 1)
+                seq, own, blk = ref.ids[0][:keep], ref.owner[0][:keep], ref.block
+            runner.open(row, pid, keep)
+            T = rng.randrange(1, 6)
+            ids = [rng.randrange(V) for _ in range(T)]
+            out = runner.run([row], torch.tensor([ids]))
+            rows[row] = dict(pid=pid, keep=keep, seq=seq + ids, owner=owners_after(own, T, placement, p, blk), blk=blk)
+            e = (out[0] - refs[0].logits(rows[row]["seq"])).abs().max().item()
+            assert e <= refs[0].tol, f"{what}: join of row {row} (prefix {pid}, keep {keep}, T={T}): off by {e:.3g}"
+            check_row(runner, row, rows[row]["seq"], keep, rows[row]["owner"], refs[0], what)
+        elif rows and rng.random() < 0.2:  # a row leaves; a prefix it read whole may adopt its tokens
+            row = rng.choice(sorted(rows))
+            r = rows.pop(row)
+            adopt = rng.random() < 0.7
+            runner.close(row, adopt=adopt)
+            ref = refs.get(r["pid"])
+            if adopt and ref is not None and r["keep"] == len(ref.ids[0]):
+                ref.keep([r["seq"][r["keep"] :]])
+            if ref is not None:
+                check_shards(runner.prefixes[r["pid"]], ref, f"{what}: prefix {r['pid']} after row {row} left")
+            for o in rows.values():  # the others still read what they read
+                assert o["pid"] is None or len(runner.prefixes[o["pid"]]) >= o["keep"], what
+        else:  # a decode step of every running row (in random order)
+            order = sorted(rows)
+            rng.shuffle(order)
+            toks = [rng.randrange(V) for _ in order]
+            out = runner.run(order, torch.tensor([[t] for t in toks]))
+            for i, row in enumerate(order):
+                r = rows[row]
+                r["seq"].append(toks[i])
+                r["owner"] += owners_after(r["owner"] if r["pid"] is None else refs[r["pid"]].owner[0][: r["keep"]] + r["owner"],
+                                           1, placement, p, r["blk"])  # fmt: skip
+                e = (out[i] - refs[0].logits(r["seq"])).abs().max().item()
+                assert e <= refs[0].tol, f"{what}: decode row {row} (prefix {r['pid']}, keep {r['keep']}): off by {e:.3g}"
+                check_row(runner, row, r["seq"], r["keep"], r["owner"], refs[0], what)
+
+
+def batch_worker(seed0: int) -> None:
+    cases = [(pl, at) for pl in ("contiguous", "interleaved") for at in ("tree", "ring")]
+    for i, (placement, attention) in enumerate(cases):
+        run_case("llama", placement, attention, seed0 + i, steps=16, chunk=(4, None)[i % 2])
+    # sliding windows (per query, on global positions, in the prefix and in the row) and softcaps
+    run_case("mistral", "interleaved", "tree", seed0 + 10, steps=14, chunk=8)
+    run_case("gemma2", "contiguous", "ring", seed0 + 11, steps=14, chunk=8)
+    run_case("gemma2", "interleaved", "tree", seed0 + 12, steps=10, chunk=None)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+def test_batch_runner_matches_transformers(p):
+    launch(batch_worker, p, (1000 * p,), timeout=900)
