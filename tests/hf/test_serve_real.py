@@ -79,6 +79,42 @@ def test_second_question_reuses_the_document(server, client, smol_doc):
     assert outs[0].usage.prompt_tokens_details.cached_tokens < 100  # at most the chat template's head
 
 
+def test_four_questions_at_once_share_one_copy_of_the_document(server, client, smol_doc):
+    """Four questions about the cached document at once run as one batch: each answer equals
+    its answer alone (the first two: a cold single-process run's), every request reports the
+    document as cached, and while they run the ranks hold one copy of it: the KV tokens per
+    rank grow by the four questions' own tokens, not by another document."""
+    d = smol_doc
+    qs = [*QUESTIONS, "What is the name of the town? Answer in one word.", "Summarize the text in one sentence."]
+    alone = [_ask(client, d["doc"] + q, max_tokens=NEW).choices[0].message.content for q in qs]
+    assert alone[:2] == d["answers"]
+    before = _health(server)
+    got: dict[int, object] = {}
+    patient = client.with_options(max_retries=8)  # --max-queue is 2: a burst of four may see a 429 first
+
+    def one(i):
+        try:
+            got[i] = _ask(patient, d["doc"] + qs[i], max_tokens=NEW)
+        except Exception as e:  # shown in the assertion below, not lost in a thread
+            got[i] = e
+
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in ts:
+        t.start()
+    seen = []
+    while any(t.is_alive() for t in ts):
+        seen.append(_health(server))
+        time.sleep(0.05)
+    assert all(not isinstance(got[i], Exception) for i in range(4)), got
+    assert [got[i].choices[0].message.content for i in range(4)] == alone
+    assert all(got[i].usage.prompt_tokens_details.cached_tokens >= d["prefix"] - 1 for i in range(4))
+    assert max(h["running"] for h in seen) >= 2, "the four never ran together"
+    docs = [p for p in _health(server)["prefixes"] if p["tokens"] >= d["prefix"]]
+    assert len(docs) == 1, docs  # one prefix holds the document
+    grown = max(h["kv_tokens_per_rank"] for h in seen) - before["cache_tokens_per_rank"]
+    assert grown < d["prefix"] // 4, (grown, d["prefix"])  # a second copy would add about prefix / 2
+
+
 def test_concurrent_clients_get_their_own_answers(server, client):
     questions = ["Name a primary color.", "What is 2 plus 2?", "Say hello in French."]
     alone = [_ask(client, q, max_tokens=NEW).choices[0].message.content for q in questions]

@@ -350,35 +350,71 @@ def test_cli_errors_before_any_rank_starts():
     assert r.returncode == 2 and "--cache-tokens" in r.stderr.splitlines()[-1]
 
 
-def test_rank_killed_under_the_server():
-    """A rank dies mid-answer: the stream ends with an error (or closes), new requests get 503
-    or find the server gone, and the server exits with the cause; no process is left."""
-    s = Server("--preset", MODEL, "--nproc", "2", "--collective-timeout", "30", "--cache-tokens", "0")
+def _drain(stream) -> list:
+    """What is left of a stream: its events, then "closed" when the connection drops."""
+    out = []
     try:
-        ranks = s.ranks()
-        assert len(ranks) == 2, ranks
-        tree = set(ranks) | {s.proc.pid}
-        stream = s.events("/v1/completions", {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 200000,
-                                               "temperature": 0})  # fmt: skip
-        got = [next(stream) for _ in range(3)]
-        assert all("choices" in e for e in got)
-        s_kill = ranks[1]
-        import os
+        for e in stream:
+            out.append(e)
+    except OSError:
+        out.append("closed")
+    return out
 
-        os.kill(s_kill, signal.SIGKILL)
-        tail = []
+
+def test_batch_faults_hang_up_and_rank_killed():
+    """Under a batch of three streams (``--max-batch 3``, a fourth request queued): a client
+    that hangs up frees its row at the next step while the others finish exactly; then a rank
+    dies mid-batch: every running and queued client gets an error (or its connection closes),
+    /health says failed, the server exits with the cause, and no process is left."""
+    import os
+
+    s = Server("--preset", MODEL, "--nproc", "2", "--collective-timeout", "30", "--max-batch", "3",
+               "--prefill-chunk", "8", "--cache-tokens", "0")  # fmt: skip
+    try:
+        model = _model()
+        prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+        refs = [_reference(model, ids, 30) for ids in prompts]
+        streams = [s.events("/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 30, "temperature": 0})
+                   for ids in prompts]  # fmt: skip
+        firsts = [next(st) for st in streams]  # all three run
+        streams[1].close()  # hangs up
+        rest = [_drain(streams[i]) for i in (0, 2)]
+        for i, tail in zip((0, 2), rest, strict=True):
+            text = firsts[i]["choices"][0]["text"] + "".join(e["choices"][0]["text"] for e in tail[:-1])
+            assert tail[-1] == "[DONE]" and _ids_of(text) == [t for t in refs[i] if t != 2], (i, tail[-3:])
+        deadline = time.monotonic() + 30
+        while s.request("GET", "/health")[1]["cancelled"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        h = s.request("GET", "/health")[1]
+        assert h["cancelled"] == 1 and h["running"] == 0 and h["status"] == "ok", h
+
+        ranks = s.ranks()
+        tree = set(ranks) | {s.proc.pid}
+        body = {"model": MODEL, "max_tokens": 200000, "temperature": 0}
+        streams = [s.events("/v1/completions", {**body, "prompt": [1, 2, 3 + i]}) for i in range(3)]
+        got = [next(st) for st in streams]
+        assert all("choices" in e for e in got)
+        queued: dict = {}
+        waiter = threading.Thread(target=lambda: queued.update(r=s.request("POST", "/v1/completions",
+                                  {**body, "prompt": [4, 4], "max_tokens": 3}, timeout=120)))  # fmt: skip
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while s.request("GET", "/health")[1]["queued"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert s.request("GET", "/health")[1]["queued"] == 1
+        os.kill(ranks[1], signal.SIGKILL)
+        for st in streams:
+            tail = _drain(st)
+            assert tail[-1] in ("[DONE]", "closed"), tail[-3:]
+            if tail[-1] == "[DONE]":
+                err = tail[-2]["error"]
+                assert err["type"] == "server_error" and "rank" in err["message"], err
+        waiter.join(120)
+        r = queued.get("r")
+        assert r is None or r[0] == 503, r  # None: the connection closed
         try:
-            for e in stream:
-                tail.append(e)
-        except OSError:  # the connection was closed: also an acceptable end
-            tail.append("closed")
-        assert tail[-1] in ("[DONE]", "closed"), tail[-3:]
-        if tail[-1] == "[DONE]":
-            err = tail[-2]["error"]
-            assert err["type"] == "server_error" and "rank" in err["message"], err
-        try:
-            st, body = s.request("GET", "/health", timeout=5)
-            assert st == 503 and body["status"] == "failed", body
+            st, h = s.request("GET", "/health", timeout=5)
+            assert st == 503 and h["status"] == "failed", h
         except OSError:
             pass  # already gone
         s.proc.wait(60)

@@ -86,17 +86,27 @@ class RowsStep:
                 o, l_ = _unfold(o.to(lse.dtype), l_, len(g.lines), T)
                 out[g.lines], lse[g.lines] = merge_states(out[g.lines], lse[g.lines], o, l_)
             return out.to(q.dtype)
-        out, lse = _attention(q, ks, vs, scale=scale, kv_lens=lens, kv_start=r_start, softcap=softcap, keep_fp32=True)
+        out, lse = row_state(q, ks, vs, lens, r_start, scale, softcap)
         for g, st in zip(self.groups, g_starts, strict=True):
-            if g.local == 0:
-                continue
-            kp, vp = _prefix(g, layer)
-            o, l_ = _attention(_fold(q[g.lines]), kp, vp, scale=scale, kv_start=st, softcap=softcap, keep_fp32=True)
-            o, l_ = _unfold(o, l_, len(g.lines), T)
-            out[g.lines], lse[g.lines] = merge_states(out[g.lines], lse[g.lines], o, l_)
+            if g.local:
+                o, l_ = prefix_state(q, g, layer, st, scale, softcap)
+                out[g.lines], lse[g.lines] = merge_states(out[g.lines], lse[g.lines], o, l_)
         out, lse = reduce_states(out, lse, group=self.group, strategy=self.strategy)
         out, lse = merge_states(out, lse, *new_token_state(q, k, v, None, scale, softcap=softcap, window=window))
         return out.to(q.dtype)
+
+
+def row_state(q: Tensor, k: Tensor, v: Tensor, lens: Tensor, start, scale, softcap) -> tuple[Tensor, Tensor]:
+    """This rank's state of the lines over their rows' own earlier tokens."""
+    return _attention(q, k, v, scale=scale, kv_lens=lens, kv_start=start, softcap=softcap, keep_fp32=True)
+
+
+def prefix_state(q: Tensor, g: PrefixGroup, layer: int, start, scale, softcap) -> tuple[Tensor, Tensor]:
+    """This rank's state of group ``g``'s lines over its shard of their prefix: one pass over
+    the shard for all of them (their queries folded into one block)."""
+    kp, vp = _prefix(g, layer)
+    o, lse = _attention(_fold(q[g.lines]), kp, vp, scale=scale, kv_start=start, softcap=softcap, keep_fp32=True)
+    return _unfold(o, lse, len(g.lines), q.shape[2])
 
 
 def _prefix(g: PrefixGroup, layer: int) -> tuple[Tensor, Tensor]:

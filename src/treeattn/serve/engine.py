@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -63,7 +64,7 @@ class Engine:
         self.join_step = chunk or 1 << 62  # a joining request's own tokens per step (every rank runs them)
         self.stats = dict(requests=0, cancelled=0, prompt_tokens=0, cached_tokens=0, completion_tokens=0,
                           cache_entries=0, cache_tokens_per_rank=0, running=0, max_batch=max_batch, steps=0,
-                          decode_rows=0, prefixes=[])  # fmt: skip
+                          decode_rows=0, plan_seconds=0.0, execute_seconds=0.0, sample_seconds=0.0, kv_tokens_per_rank=0, peak_kv_tokens_per_rank=0, prefixes=[])  # fmt: skip
 
     @property
     def entries(self) -> dict:
@@ -160,12 +161,15 @@ class Engine:
                     if not stopping.is_set():
                         self._send(torch.tensor([IDLE, 0]))
                     continue
+                t0 = time.perf_counter()
                 body = torch.tensor(plan.encode(), dtype=torch.int64)
                 self._send(torch.tensor([RUN, len(body)]))
                 self._send(body)
+                t1 = time.perf_counter()
                 outs = self.execute(plan)
+                t2 = time.perf_counter()
                 sched.after(plan, *outs)
-                self._account(sched, plan)
+                self._account(sched, plan, (t1 - t0, t2 - t1, time.perf_counter() - t2))
         except (RankFailure, CollectiveError, dist.DistError) as e:
             why = str(e).splitlines()[0]
             if on_failure is not None:
@@ -173,14 +177,18 @@ class Engine:
             sched.fail(503, f"a rank failed: {why}")
             raise RankFailure(str(e)) from e
 
-    def _account(self, sched: Scheduler, plan: Plan) -> None:
+    def _account(self, sched: Scheduler, plan: Plan, times: tuple[float, float, float]) -> None:
         st, r = self.stats, self.runner
         st["steps"] += 1
+        for k, t in zip(("plan_seconds", "execute_seconds", "sample_seconds"), times, strict=True):
+            st[k] += t
         st["decode_rows"] += len(plan.decode)
         readers: dict[int, int] = {}
         for j in sched.jobs:
             if j.pid is not None:
                 readers[j.pid] = readers.get(j.pid, 0) + 1
+        kv = self.cached() + int(r.rows.kv_len.sum())  # rank 0's: the others' differ by a block per row
         st.update(running=len(sched.jobs), cache_entries=len(r.prefixes), cache_tokens_per_rank=self.cached(),
+                  kv_tokens_per_rank=kv, peak_kv_tokens_per_rank=max(kv, st["peak_kv_tokens_per_rank"]),
                   prefixes=[{"tokens": len(s), "tokens_per_rank": r.held(q), "readers": readers.get(q, 0)}
                             for q, s in r.prefixes.items()])  # fmt: skip

