@@ -122,8 +122,11 @@ def test_engine_without_prefix_cache():
     model = _model()
     engine = Engine(model, None, dict(prefill_chunk=None), cache_tokens=0)
     ids = list(range(3, 20))
-    a, b = _run(engine, [(ids, 4), (ids, 4)])
-    assert a["text"] == b["text"] and a["cached_tokens"] == b["cached_tokens"] == 0 and not engine.entries
+    a, b = _run(engine, [(ids, 4), (ids, 4)])  # together: the second reads the first's prompt while it runs
+    assert a["text"] == b["text"] and a["cached_tokens"] == 0 and b["cached_tokens"] == len(ids) - 1
+    assert not engine.entries  # dropped once nobody reads it
+    (c,) = _run(engine, [(ids, 4)])
+    assert c["text"] == a["text"] and c["cached_tokens"] == 0 and not engine.entries
 
 
 class _Tok:

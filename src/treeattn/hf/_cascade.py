@@ -1,12 +1,15 @@
 """One layer's attention of a batched step over shared prefixes (cascade attention).
 
-Each line of the batch reads the first ``keep`` tokens of one shared prefix (a
-:class:`~treeattn.cache.ShardedKVCache` of one sequence), then its own earlier tokens (a row of
-a :class:`~treeattn.cache.RowCache`), then its ``T`` new tokens (a causal chain). The lines that
-read the same prefix up to the same ``keep`` attend to it together: their queries are folded
-into one query block, so each rank reads its shard of the prefix once per step whatever the
-number of lines. Tree: the local prefix and row states are merged on each rank and cross
-the ranks in one reduction (the merge is associative: seed paper, §4); the new tokens,
+A step runs the new tokens of several *lines* as one flat sequence of ``N`` tokens (one
+forward: the weights are read once). Line ``i`` is the next ``T_i`` tokens of one running
+row: one token for a decoding request, a chunk of a joining request's prompt. Each token
+reads the first ``keep`` tokens of its row's shared prefix (a
+:class:`~treeattn.cache.ShardedKVCache` of one sequence), the row's own earlier tokens (a
+:class:`~treeattn.cache.RowCache`), and the earlier tokens of its line (causal). The tokens
+that read the same prefix up to the same ``keep`` attend to it together: their queries are
+folded into one block, so each rank reads its shard of the prefix once per step whatever the
+number of lines. Tree: the local prefix and row states are merged on each rank and cross the
+ranks in one reduction (the merge is associative: seed paper, §4); the lines' own tokens,
 identical on every rank, are merged after it. Ring: each part's K/V goes round the ring.
 """
 
@@ -21,19 +24,29 @@ from torch import Tensor
 from ..cache import RowCache, ShardedKVCache
 from ..comm.strategies import reduce_states
 from ..ops.attention import _attention
-from ..ops.state import merge_states
+from ..ops.state import empty_state, merge_states
 from ..parallel import ring_decode
 from ..parallel.tree import new_token_state
 
 
 @dataclass
 class PrefixGroup:
-    """Lines ``lines`` (device int64) of the batch read the first ``keep`` tokens of ``cache``."""
+    """The tokens ``tokens`` (flat indices, device int64) read the first ``keep`` tokens of ``cache``."""
 
     cache: ShardedKVCache
     keep: int
-    lines: Tensor
+    tokens: Tensor
     local: int = 0  # this rank's slots below keep
+
+
+@dataclass
+class Shape:
+    """The lines of one length ``T``: their rows and ``[n, T]`` flat token indices."""
+
+    T: int
+    rows: list[int]
+    idx: Tensor  # [n, T] host
+    dev: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -41,86 +54,115 @@ class RowsStep:
     """What the ``treeattn`` attention needs for one batched forward (mode ``"rows"``)."""
 
     rows: RowCache
-    row_ids: list[int]  # the RowCache row of each line
-    q_pos: Tensor  # [n, T] global positions of the new tokens (host)
+    shapes: list[Shape]
+    q_pos: Tensor  # [N] global position of every token (host)
     groups: list[PrefixGroup]
     attention: str = "tree"
     strategy: str = "auto"
     group: dist.ProcessGroup | None = None
     mode: str = "rows"
-    stash: dict = field(default_factory=dict)  # layer -> (k, v) [n, Hkv, T, D] of the new tokens
-    _dev: dict = field(default_factory=dict)
+    stash: dict = field(default_factory=dict)  # layer -> (k, v) [1, Hkv, N, D] of the new tokens
+    _win: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         dev = self.rows.device
-        self._dev["rows"] = torch.tensor(self.row_ids, dtype=torch.int64, device=dev)
-        self._dev["lens"] = self.rows.kv_len[self.row_ids].to(dev)
+        for s in self.shapes:
+            s.dev.update(rows=torch.tensor(s.rows, dtype=torch.int64, device=dev), idx=s.idx.to(dev),
+                         lens=self.rows.kv_len[s.rows].to(dev))  # fmt: skip
         for g in self.groups:
             g.local = int(g.cache.slots_before(g.keep)[0])
 
-    def starts(self, window: int | None) -> tuple[list[Tensor | None], Tensor | None]:
-        """Under a sliding window: each group's ``kv_start [1, m*T]`` and the rows' ``[n, T]``."""
+    def starts(self, window: int | None) -> tuple[list, list]:
+        """Under a sliding window: each group's ``kv_start [1, m]`` and each shape's ``[n, T]``."""
         if window is None:
-            return [None] * len(self.groups), None
-        key = ("w", window)
-        if key not in self._dev:
+            return [None] * len(self.groups), [None] * len(self.shapes)
+        if window not in self._win:
             dev, lo = self.rows.device, self.q_pos - window + 1
-            gs = [g.cache.slots_before(lo[g.lines.cpu()].reshape(1, -1)).to(dev) for g in self.groups]
-            self._dev[key] = (gs, self.rows.slots_before(self.row_ids, lo).to(dev))
-        return self._dev[key]
+            gs = [g.cache.slots_before(lo[g.tokens.cpu()].reshape(1, -1)).to(dev) for g in self.groups]
+            ss = [self.rows.slots_before(s.rows, lo[s.idx]).to(dev) for s in self.shapes]
+            self._win[window] = (gs, ss)
+        return self._win[window]
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale, window: int | None, softcap) -> Tensor:
-        """``q [n, Hq, T, D]``, the new tokens' ``k, v [n, Hkv, T, D]``; returns ``[n, Hq, T, Dv]``."""
-        n, Hq, T, _ = q.shape
-        g_starts, r_start = self.starts(window)
-        rows, lens = self._dev["rows"], self._dev["lens"]
-        ks, vs = self.rows.local(layer, rows)
-        if self.attention == "ring":
-            kw = dict(group=self.group, scale=scale, softcap=softcap, return_lse=True, check=False)
-            out, lse = ring_decode(q, ks, vs, kv_lens=lens, kv_start=r_start, new_k=k, new_v=v, window=window, **kw)
-            out = out.to(lse.dtype)
-            for g, st in zip(self.groups, g_starts, strict=True):
-                qf = _fold(q[g.lines])
-                kp, vp = _prefix(g, layer)
-                o, l_ = ring_decode(qf, kp, vp, kv_lens=torch.full((1,), g.local, device=q.device), kv_start=st, **kw)
-                o, l_ = _unfold(o.to(lse.dtype), l_, len(g.lines), T)
-                out[g.lines], lse[g.lines] = merge_states(out[g.lines], lse[g.lines], o, l_)
-            return out.to(q.dtype)
-        out, lse = row_state(q, ks, vs, lens, r_start, scale, softcap)
+        """``q [1, Hq, N, D]``, the new tokens' ``k, v [1, Hkv, N, D]``; returns ``[1, Hq, N, Dv]``."""
+        g_starts, s_starts = self.starts(window)
+        N, Dv = q.shape[2], v.shape[3]
+        out, lse = empty_state((1, q.shape[1], N, Dv), q.device)
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        out, lse = out.to(acc), lse.to(acc)
+        ring = self.attention == "ring"
+        kw = dict(group=self.group, scale=scale, softcap=softcap, return_lse=True, check=False)
+        for s, st in zip(self.shapes, s_starts, strict=True):
+            qs, idx = _lines(q, s), s.dev["idx"].reshape(-1)
+            ks, vs = self.rows.local(layer, s.dev["rows"])
+            if ring:  # the row's keys round the ring, the line's own tokens merged after
+                o, l_ = ring_decode(qs, ks, vs, kv_lens=s.dev["lens"], kv_start=st, new_k=_lines(k, s),
+                                    new_v=_lines(v, s), window=window, **kw)  # fmt: skip
+                o = o.to(acc)
+            else:
+                o, l_ = row_state(qs, ks, vs, s.dev["lens"], st, scale, softcap)
+            out[0, :, idx], lse[0, :, idx] = _flat(o), _flat(l_)
         for g, st in zip(self.groups, g_starts, strict=True):
-            if g.local:
-                o, l_ = prefix_state(q, g, layer, st, scale, softcap)
-                out[g.lines], lse[g.lines] = merge_states(out[g.lines], lse[g.lines], o, l_)
+            t = g.tokens
+            if ring:
+                kp, vp = _prefix(g, layer)
+                lens = torch.full((1,), g.local, device=q.device)
+                o, l_ = ring_decode(q[:, :, t], kp, vp, kv_lens=lens, kv_start=st, **kw)
+                o = o.to(acc)
+            elif g.local:
+                o, l_ = prefix_state(q[:, :, t], g, layer, st, scale, softcap)
+            else:
+                continue
+            out[:, :, t], lse[:, :, t] = merge_states(out[:, :, t], lse[:, :, t], o, l_)
+        if ring:
+            return out.to(q.dtype)
         out, lse = reduce_states(out, lse, group=self.group, strategy=self.strategy)
-        out, lse = merge_states(out, lse, *new_token_state(q, k, v, None, scale, softcap=softcap, window=window))
+        for s in self.shapes:  # the lines' own tokens: the same on every rank, merged once
+            idx = s.dev["idx"].reshape(-1)
+            if s.T == 1:
+                o, l_ = _self_state(q[:, :, idx], k[:, :, idx], v[:, :, idx], scale, softcap)
+            else:
+                o, l_ = new_token_state(_lines(q, s), _lines(k, s), _lines(v, s), None, scale, softcap=softcap,
+                                        window=window)  # fmt: skip
+                o, l_ = _flat(o)[None], _flat(l_)[None]
+            out[:, :, idx], lse[:, :, idx] = merge_states(out[:, :, idx], lse[:, :, idx], o, l_)
         return out.to(q.dtype)
 
 
 def row_state(q: Tensor, k: Tensor, v: Tensor, lens: Tensor, start, scale, softcap) -> tuple[Tensor, Tensor]:
-    """This rank's state of the lines over their rows' own earlier tokens."""
+    """This rank's state of lines ``q [n, Hq, T, D]`` over their rows' own earlier tokens."""
     return _attention(q, k, v, scale=scale, kv_lens=lens, kv_start=start, softcap=softcap, keep_fp32=True)
 
 
 def prefix_state(q: Tensor, g: PrefixGroup, layer: int, start, scale, softcap) -> tuple[Tensor, Tensor]:
-    """This rank's state of group ``g``'s lines over its shard of their prefix: one pass over
-    the shard for all of them (their queries folded into one block)."""
+    """This rank's state of group ``g``'s tokens ``q [1, Hq, m, D]`` over its shard of their
+    prefix: one pass over the shard for all of them."""
     kp, vp = _prefix(g, layer)
-    o, lse = _attention(_fold(q[g.lines]), kp, vp, scale=scale, kv_start=start, softcap=softcap, keep_fp32=True)
-    return _unfold(o, lse, len(g.lines), q.shape[2])
+    return _attention(q, kp, vp, scale=scale, kv_start=start, softcap=softcap, keep_fp32=True)
+
+
+def _self_state(q: Tensor, k: Tensor, v: Tensor, scale, softcap) -> tuple[Tensor, Tensor]:
+    """The state of each token over itself alone: its value, and its own score as the lse."""
+    Hq, Hkv, D = q.shape[1], k.shape[1], q.shape[3]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    G = Hq // Hkv
+    kq, vq = k.repeat_interleave(G, 1).to(acc), v.repeat_interleave(G, 1).to(acc)
+    s = (q.to(acc) * kq).sum(-1) * (D**-0.5 if scale is None else float(scale))
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    return vq, s
 
 
 def _prefix(g: PrefixGroup, layer: int) -> tuple[Tensor, Tensor]:
     return g.cache.k[layer][:, :, : g.local], g.cache.v[layer][:, :, : g.local]
 
 
-def _fold(q: Tensor) -> Tensor:
-    """``[m, Hq, T, D]`` -> ``[1, Hq, m*T, D]`` (query ``j*T + t`` is line j's token t)."""
-    m, Hq, T, D = q.shape
-    return q.transpose(0, 1).reshape(1, Hq, m * T, D)
+def _lines(x: Tensor, s: Shape) -> Tensor:
+    """``[1, H, N, D]`` -> the shape's lines ``[n, H, T, D]``."""
+    n, T = s.idx.shape
+    return x[0, :, s.dev["idx"].reshape(-1)].reshape(x.shape[1], n, T, -1).transpose(0, 1)
 
 
-def _unfold(out: Tensor, lse: Tensor, m: int, T: int) -> tuple[Tensor, Tensor]:
-    Hq, Dv = out.shape[1], out.shape[3]
-    return out.reshape(Hq, m, T, Dv).transpose(0, 1), lse.reshape(Hq, m, T).transpose(0, 1)
-
-
+def _flat(x: Tensor) -> Tensor:
+    """``[n, H, T(, D)]`` -> ``[H, n*T(, D)]`` in the order of the shape's flat indices."""
+    return x.transpose(0, 1).reshape(x.shape[1], -1, *x.shape[3:])

@@ -23,7 +23,7 @@ from torch import Tensor
 from ..cache import Placement, RowCache
 from ..comm.collectives import world
 from . import _steps as S
-from ._cascade import PrefixGroup, RowsStep
+from ._cascade import PrefixGroup, RowsStep, Shape
 from .attention import AttnSwitch, TreeAttnCache
 from .session import Session
 
@@ -31,7 +31,7 @@ from .session import Session
 class _Lens:
     """What :class:`TreeAttnCache` reads of its store: layers and global lengths."""
 
-    def __init__(self, num_layers: int, seq_lens: Tensor) -> None:
+    def __init__(self, num_layers: int, seq_lens: Tensor) -> None:  # [1]: the first new position
         self.num_layers, self.seq_lens = num_layers, seq_lens
 
 
@@ -118,33 +118,48 @@ class BatchRunner:
         return int(self.rows.start[row] + self.rows.n[row])
 
     @torch.no_grad()
-    def run(self, rows: list[int], ids: Tensor) -> Tensor:
-        """Run ``ids [n, T]`` (host int64) after what each of ``rows`` holds, in one forward, and
-        append them to the rows. Returns the float32 logits ``[n, V]`` (float64 for a float64
-        model) at each row's last new token."""
-        n, T = ids.shape
-        pos = torch.stack([self.rows.start[r] + self.rows.n[r] for r in rows])[:, None] + torch.arange(T)[None, :]
+    def run(self, lines: list[tuple[int, list[int]]]) -> Tensor:
+        """Run each line's tokens after what its row holds, all lines in one forward (a flat
+        sequence of every line's tokens), and append them to the rows. ``lines``: ``(row,
+        ids)`` pairs, each row at most once, one id for a decoding request or a chunk of a
+        joining one. Returns the float32 logits ``[len(lines), V]`` (float64 for a float64
+        model) at each line's last token."""
+        rows = [r for r, _ in lines]
+        if len(set(rows)) != len(rows) or not all(ids for _, ids in lines):
+            raise ValueError("each line needs a distinct row and at least one token")
+        pos, ids, last, by_T = [], [], [], {}
+        for r, t in lines:
+            p0, n = int(self.rows.start[r] + self.rows.n[r]), len(ids)
+            pos += range(p0, p0 + len(t))
+            by_T.setdefault(len(t), ([], []))
+            by_T[len(t)][0].append(r)
+            by_T[len(t)][1].append(list(range(n, n + len(t))))
+            ids += t
+            last.append(len(ids) - 1)
+        pos = torch.tensor(pos, dtype=torch.int64)
+        shapes = [Shape(T, rs, torch.tensor(ix, dtype=torch.int64)) for T, (rs, ix) in by_T.items()]
         groups: dict[tuple[int, int], list[int]] = {}
-        for i, r in enumerate(rows):
+        for (r, t), x in zip(lines, last, strict=True):
             if self.row_prefix[r] is not None:
-                groups.setdefault((self.row_prefix[r], int(self.rows.start[r])), []).append(i)
-        ctx = RowsStep(self.rows, list(rows), pos, [
-            PrefixGroup(self.prefixes[pid].cache, keep, torch.tensor(lines, device=self.device))
-            for (pid, keep), lines in groups.items()
+                groups.setdefault((self.row_prefix[r], int(self.rows.start[r])), []).extend(range(x - len(t) + 1, x + 1))
+        ctx = RowsStep(self.rows, shapes, pos, [
+            PrefixGroup(self.prefixes[pid].cache, keep, torch.tensor(tok, device=self.device))
+            for (pid, keep), tok in groups.items()
         ], self.kw.get("attention", "tree"), self.kw.get("strategy", "auto"), self.group)  # fmt: skip
-        tc = TreeAttnCache(_Lens(self.rows.L, pos[:, 0]))
+        tc = TreeAttnCache(_Lens(self.rows.L, pos.min().reshape(1)))
         tc.ctx = ctx
         with self._switch():
-            hidden = self.decoder(input_ids=ids.to(self.device), position_ids=pos.to(self.device),
+            hidden = self.decoder(input_ids=torch.tensor([ids], device=self.device), position_ids=pos[None].to(self.device),
                                   **S._cache_kw(self.decoder, tc), use_cache=True, treeattn_ctx=ctx).last_hidden_state  # fmt: skip
-        i, j, slots = self.rows.place(list(rows), T)
-        dev_i, dev_j, dev_s = i.to(self.device), j.to(self.device), slots.to(self.device)
-        rid = torch.tensor(rows, dtype=torch.int64, device=self.device)[dev_i]
-        for layer, (k, v) in ctx.stash.items():
-            self.rows.store(layer, rid, dev_s, k[dev_i, :, dev_j], v[dev_i, :, dev_j])
-        for x, r in enumerate(rows):
-            self.row_ids[r].extend(ids[x].tolist())
-        return S.lm_logits(self.model, hidden[:, -1])
+        for s in shapes:  # each line's tokens to the rank and slot its row's placement gives them
+            i, j, slots = self.rows.place(s.rows, s.T)
+            flat = s.idx[i, j].to(self.device)
+            rid = torch.tensor(s.rows, dtype=torch.int64)[i].to(self.device)
+            for layer, (k, v) in ctx.stash.items():
+                self.rows.store(layer, rid, slots.to(self.device), k[0, :, flat].transpose(0, 1), v[0, :, flat].transpose(0, 1))
+        for r, t in lines:
+            self.row_ids[r].extend(t)
+        return S.lm_logits(self.model, hidden[0, torch.tensor(last, device=self.device)])
 
     def _adopt(self, sess: Session, row: int) -> None:
         c, rc = sess.cache, self.rows

@@ -2,11 +2,12 @@
 
 Rank 0 takes requests from a queue (filled by the HTTP layer) and plans every step
 (:mod:`treeattn.serve.scheduler`): the rows that close, the prefixes dropped, at most one
-prefill chunk, and one token for every running request. The plan reaches the other ranks as
-two int64 broadcasts (nothing is pickled) and every rank, rank 0 included, executes it on
-its :class:`~treeattn.hf.batch.BatchRunner`: one forward for all the running requests, whose
-queries read each shared prefix once. A request's uncached prompt is prefilled a chunk per
-step between the decode steps of the others. Nothing here knows about HTTP.
+chunk of a new prefix (a sharded prefill), and the lines of one forward: a token for every
+running request and chunks of the joining requests' own prompts. The plan reaches the other
+ranks as two int64 broadcasts (nothing is pickled) and every rank, rank 0 included, executes
+it on its :class:`~treeattn.hf.batch.BatchRunner`, whose queries read each shared prefix
+once per step. A long new prompt is prefilled a chunk per step between the decode steps of
+the others. Nothing here knows about HTTP.
 """
 
 from __future__ import annotations
@@ -61,10 +62,11 @@ class Engine:
         self.sched = Scheduler(self)  # rank 0's; it outlives a serve() call, as the prefixes do
         chunk = self.kw.get("prefill_chunk", 1024)
         self.prefill_step = chunk * self.p if chunk else 1 << 62  # prompt tokens per step of a new prefix
-        self.join_step = chunk or 1 << 62  # a joining request's own tokens per step (every rank runs them)
+        self.join_step = chunk or 1 << 62  # joining requests' own tokens per step (every rank runs them)
         self.stats = dict(requests=0, cancelled=0, prompt_tokens=0, cached_tokens=0, completion_tokens=0,
                           cache_entries=0, cache_tokens_per_rank=0, running=0, max_batch=max_batch, steps=0,
-                          decode_rows=0, plan_seconds=0.0, execute_seconds=0.0, sample_seconds=0.0, kv_tokens_per_rank=0, peak_kv_tokens_per_rank=0, prefixes=[])  # fmt: skip
+                          decode_rows=0, plan_seconds=0.0, execute_seconds=0.0, sample_seconds=0.0,
+                          kv_tokens_per_rank=0, peak_kv_tokens_per_rank=0, prefixes=[])  # fmt: skip
 
     @property
     def entries(self) -> dict:
@@ -105,25 +107,21 @@ class Engine:
             raise BadRequest(f"top_p must lie in (0, 1], got {req.top_p!r}")
 
     # -- every rank --------------------------------------------------------------------
-    def execute(self, p: Plan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Run one step: returns the join chunk's logits ``[1, V]`` and the decode rows' ``[n, V]``."""
+    def execute(self, p: Plan) -> torch.Tensor | None:
+        """Run one step; returns the logits ``[len(p.lines), V]`` at each line's last token."""
         r = self.runner
         for row, adopt in p.closes:
             r.close(row, adopt=bool(adopt))
         for pid in p.drops:
             r.drop(pid)
-        join = dec = None
         if p.prefix is not None:
             r.prefill(*p.prefix)
-        elif p.join is not None:
-            row, pid, keep, opening, ids = p.join
+        if not p.lines:
+            return None
+        for row, opening, pid, keep, _ in p.lines:
             if opening:
                 r.open(row, None if pid < 0 else pid, keep)
-            join = r.run([row], torch.tensor([ids], dtype=torch.int64))
-        if p.decode:
-            rows = [row for row, _ in p.decode]
-            dec = r.run(rows, torch.tensor([[t] for _, t in p.decode], dtype=torch.int64))
-        return join, dec
+        return r.run([(row, ids) for row, _, _, _, ids in p.lines])
 
     def _send(self, t: torch.Tensor) -> torch.Tensor:
         try:
@@ -166,9 +164,9 @@ class Engine:
                 self._send(torch.tensor([RUN, len(body)]))
                 self._send(body)
                 t1 = time.perf_counter()
-                outs = self.execute(plan)
+                logits = self.execute(plan)
                 t2 = time.perf_counter()
-                sched.after(plan, *outs)
+                sched.after(plan, logits)
                 self._account(sched, plan, (t1 - t0, t2 - t1, time.perf_counter() - t2))
         except (RankFailure, CollectiveError, dist.DistError) as e:
             why = str(e).splitlines()[0]
@@ -182,7 +180,7 @@ class Engine:
         st["steps"] += 1
         for k, t in zip(("plan_seconds", "execute_seconds", "sample_seconds"), times, strict=True):
             st[k] += t
-        st["decode_rows"] += len(plan.decode)
+        st["decode_rows"] += sum(len(x[-1]) == 1 and not x[1] for x in plan.lines)
         readers: dict[int, int] = {}
         for j in sched.jobs:
             if j.pid is not None:

@@ -8,31 +8,29 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Plan:
-    """In execution order: ``closes`` (row, adopt), ``drops`` (prefix ids), at most one of
-    ``prefix`` (pid, ids: a chunk of a new prefix) and ``join`` (row, pid or -1, keep, open,
-    ids: a chunk of a joining request's own tokens), then ``decode`` (row, token) pairs."""
+    """In execution order: ``closes`` (row, adopt), ``drops`` (prefix ids), ``prefix`` (pid,
+    ids: a chunk of a new prefix, prefilled by its Session) or None, then ``lines`` (row,
+    open, pid or -1, keep, ids), run together in one forward: one token of a decoding request,
+    or a chunk of a joining request's own prompt (``open``: its row starts here, after the
+    first ``keep`` tokens of prefix ``pid``)."""
 
     closes: list[tuple[int, int]] = field(default_factory=list)
     drops: list[int] = field(default_factory=list)
     prefix: tuple[int, list[int]] | None = None
-    join: tuple[int, int, int, int, list[int]] | None = None
-    decode: list[tuple[int, int]] = field(default_factory=list)
-    prefilling: object = None  # rank 0 only: the job of the prefill item
-    decoding: list = field(default_factory=list)  # rank 0 only: the job of each decode row
+    lines: list[tuple[int, int, int, int, list[int]]] = field(default_factory=list)
+    jobs: list = field(default_factory=list)  # rank 0 only: the job of each line
+    builder: object = None  # rank 0 only: the job whose prefix chunk this is
 
     def empty(self) -> bool:
-        return not (self.closes or self.drops or self.prefix or self.join or self.decode)
+        return not (self.closes or self.drops or self.prefix or self.lines)
 
     def encode(self) -> list[int]:
         out = [len(self.closes)] + [x for c in self.closes for x in c] + [len(self.drops)] + list(self.drops)
-        if self.prefix is not None:
-            out += [1, self.prefix[0], len(self.prefix[1]), *self.prefix[1]]
-        elif self.join is not None:
-            *head, ids = self.join
-            out += [2, *head, len(ids), *ids]
-        else:
-            out += [0]
-        return out + [len(self.decode)] + [x for d in self.decode for x in d]
+        out += [0] if self.prefix is None else [1, self.prefix[0], len(self.prefix[1]), *self.prefix[1]]
+        out.append(len(self.lines))
+        for *head, ids in self.lines:
+            out += [*head, len(ids), *ids]
+        return out
 
     @classmethod
     def decode_from(cls, v: list[int]) -> Plan:
@@ -40,6 +38,8 @@ class Plan:
 
         def take(n: int) -> list[int]:
             nonlocal i
+            if n < 0 or i + n > len(v):
+                raise ValueError(f"a step plan of {len(v)} values is cut short")
             i += n
             return v[i - n : i]
 
@@ -47,15 +47,13 @@ class Plan:
         p.closes = [tuple(take(2)) for _ in range(n)]
         (n,) = take(1)
         p.drops = take(n)
-        (kind,) = take(1)
-        if kind == 1:
+        if take(1)[0]:
             pid, n = take(2)
             p.prefix = (pid, take(n))
-        elif kind == 2:
-            row, pid, keep, opening, n = take(5)
-            p.join = (row, pid, keep, opening, take(n))
         (n,) = take(1)
-        p.decode = [tuple(take(2)) for _ in range(n)]
+        for _ in range(n):
+            row, opening, pid, keep, m = take(5)
+            p.lines.append((row, opening, pid, keep, take(m)))
         if i != len(v):
             raise ValueError(f"a step plan of {len(v)} values has {len(v) - i} left over")
         return p

@@ -1,13 +1,15 @@
 """Rank 0's side of the batched server: which requests run, what each step does, and what
 each request's tokens become (sampling, stop strings, streamed text).
 
-The scheduler admits a queued request when a row is free and no other prompt is being
+The scheduler admits a queued request when a row is free and no new prefix is being
 prefilled, chooses the cached prefix it reuses (the longest common prefix, when that keeps
-at least as much as the request adds), evicts least recently used prefixes that no running
-request reads to stay within ``cache_tokens`` per rank, and builds each step's plan: rows
-to close, prefixes to drop, at most one prefill chunk (a new prefix's, or a joining
-request's own tokens), and one decode token for every running request. Every rank
-(rank 0 included) then executes that plan (:meth:`treeattn.serve.engine.Engine.execute`).
+at least as much as the request adds; otherwise the prompt becomes a new prefix), evicts
+least recently used prefixes that no running request reads to stay within ``cache_tokens``
+per rank, and builds each step's plan: rows to close, prefixes to drop, at most one chunk of
+a new prefix, and the lines of one forward: a token for every decoding request and chunks of
+the joining requests' own prompts (up to ``prefill_chunk`` tokens in all, at least one
+chunk). Every rank (rank 0 included) then executes that plan
+(:meth:`treeattn.serve.engine.Engine.execute`).
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ class Scheduler:
     # -- admission -------------------------------------------------------------------
     def admit(self, requests: queue.Queue, wait: float) -> None:
         """Admit what may run now; with nothing running, wait up to ``wait`` s for a request."""
-        while self.free and not any(j.todo for j in self.jobs) and not (self.closing or self.dropping):
+        while self.free and not self.building and not (self.closing or self.dropping):
             req = self.held
             self.held = None
             if req is None:
@@ -185,31 +187,35 @@ class Scheduler:
                 self._end(j)
         p = Plan(closes=self.closing, drops=self.dropping)
         self.closing, self.dropping = [], []
+        budget = self.e.join_step
         for j in self.jobs:
-            if j.todo:
-                item = j.todo[0]
-                if item[0] == "prefix":
-                    p.prefix = (item[1], item[2])
-                else:
-                    p.join = (j.row, -1 if j.pid is None else j.pid, j.keep, int(not j.opened), item[1])
-                    j.opened = True
-                p.prefilling = j
-                break
-        p.decode = [(j.row, j.last) for j in self.jobs if j.finish is None and not j.todo and j.last is not None]
-        p.decoding = [j for j in self.jobs if j.finish is None and not j.todo and j.last is not None]
+            if not j.todo:  # decoding
+                p.lines.append((j.row, 0, -1, 0, [j.last]))
+                p.jobs.append(j)
+            elif j.todo[0][0] == "prefix":
+                if p.prefix is None:
+                    p.prefix, p.builder = (j.todo[0][1], j.todo[0][2]), j
+            elif budget > 0:  # a chunk of a joining request's own prompt; the first always fits
+                ids = j.todo[0][1]
+                p.lines.append((j.row, int(not j.opened), -1 if j.pid is None else j.pid, j.keep, ids))
+                p.jobs.append(j)
+                j.opened = True
+                budget -= len(ids)
         return None if p.empty() else p
 
-    def after(self, p: Plan, join_logits, dec_logits) -> None:
+    def after(self, p: Plan, logits) -> None:
         """Sample what the step produced; end the requests that finish."""
-        j = p.prefilling
+        j = p.builder
         if j is not None:
-            item = j.todo.pop(0)
-            if item[0] == "prefix" and not any(x[0] == "prefix" for x in j.todo):
-                self.building.pop(item[1], None)
-            if not j.todo and j.finish is None:
-                self._take(j, join_logits[0])
-        for i, j in enumerate(p.decoding):
-            self._take(j, dec_logits[i])
+            pid = j.todo.pop(0)[1]
+            if not any(x[0] == "prefix" for x in j.todo):
+                self.building.pop(pid, None)
+        for i, j in enumerate(p.jobs):
+            if j.todo:  # a join chunk
+                j.todo.pop(0)
+                if j.todo:
+                    continue
+            self._take(j, logits[i])
 
     def _take(self, j: Job, logits) -> None:
         try:
