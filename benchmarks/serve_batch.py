@@ -215,7 +215,7 @@ def breakdown_worker(model_dir: str, prompts: list[list[int]], steps: int) -> No
     last = []
     for row, p in enumerate(prompts):
         r.open(row, 0, keep)
-        last.append(int(r.run([row], torch.tensor([p[keep:]])).argmax()))
+        last.append(int(r.run([(row, p[keep:])]).argmax()))
     rows_out = []
     for n in (1, 2, 4, 8):
         for k in acc:
@@ -224,7 +224,7 @@ def breakdown_worker(model_dir: str, prompts: list[list[int]], steps: int) -> No
         for _ in range(steps):
             on[0] = True
             t0 = time.perf_counter()
-            logits = r.run(list(range(n)), torch.tensor([[x] for x in last[:n]]))
+            logits = r.run([(i, [x]) for i, x in enumerate(last[:n])])
             t += time.perf_counter() - t0
             on[0] = False
             last[:n] = logits.argmax(-1).tolist()

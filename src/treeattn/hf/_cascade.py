@@ -24,7 +24,7 @@ from torch import Tensor
 from ..cache import RowCache, ShardedKVCache
 from ..comm.strategies import reduce_states
 from ..ops.attention import _attention
-from ..ops.state import empty_state, merge_states
+from ..ops.state import empty_state, merge_into, merge_states
 from ..parallel import ring_decode
 from ..parallel.tree import new_token_state
 
@@ -37,6 +37,7 @@ class PrefixGroup:
     keep: int
     tokens: Tensor
     local: int = 0  # this rank's slots below keep
+    sel: slice | Tensor | None = None  # the tokens as a slice where they are contiguous
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Shape:
     T: int
     rows: list[int]
     idx: Tensor  # [n, T] host
+    placed: tuple | None = None  # T = 1: (rows, slots, flat indices) of this rank's new tokens, stored first
     dev: dict = field(default_factory=dict)
 
 
@@ -68,9 +70,10 @@ class RowsStep:
         dev = self.rows.device
         for s in self.shapes:
             s.dev.update(rows=torch.tensor(s.rows, dtype=torch.int64, device=dev), idx=s.idx.to(dev),
-                         lens=self.rows.kv_len[s.rows].to(dev))  # fmt: skip
+                         lens=self.rows.kv_len[s.rows].to(dev), sel=_sel(s.idx.reshape(-1), dev))  # fmt: skip
         for g in self.groups:
             g.local = int(g.cache.slots_before(g.keep)[0])
+            g.sel = _sel(g.tokens.cpu(), dev)
 
     def starts(self, window: int | None) -> tuple[list, list]:
         """Under a sliding window: each group's ``kv_start [1, m]`` and each shape's ``[n, T]``."""
@@ -93,17 +96,20 @@ class RowsStep:
         ring = self.attention == "ring"
         kw = dict(group=self.group, scale=scale, softcap=softcap, return_lse=True, check=False)
         for s, st in zip(self.shapes, s_starts, strict=True):
-            qs, idx = _lines(q, s), s.dev["idx"].reshape(-1)
+            qs, sel = _lines(q, s), s.dev["sel"]
+            if s.placed is not None:  # one new token per line: stored on its owner first, then attended there
+                rid, slots, flat = s.placed
+                self.rows.store(layer, rid, slots, k[0, :, flat].transpose(0, 1), v[0, :, flat].transpose(0, 1))
             ks, vs = self.rows.local(layer, s.dev["rows"])
-            if ring:  # the row's keys round the ring, the line's own tokens merged after
-                o, l_ = ring_decode(qs, ks, vs, kv_lens=s.dev["lens"], kv_start=st, new_k=_lines(k, s),
-                                    new_v=_lines(v, s), window=window, **kw)  # fmt: skip
+            new = {} if s.placed is not None else dict(new_k=_lines(k, s), new_v=_lines(v, s))
+            if ring:  # the row's keys round the ring, the line's own earlier tokens merged after
+                o, l_ = ring_decode(qs, ks, vs, kv_lens=s.dev["lens"], kv_start=st, window=window, **new, **kw)
                 o = o.to(acc)
             else:
                 o, l_ = row_state(qs, ks, vs, s.dev["lens"], st, scale, softcap)
-            out[0, :, idx], lse[0, :, idx] = _flat(o), _flat(l_)
+            out[0, :, sel], lse[0, :, sel] = _flat(o), _flat(l_)
         for g, st in zip(self.groups, g_starts, strict=True):
-            t = g.tokens
+            t = g.sel
             if ring:
                 kp, vp = _prefix(g, layer)
                 lens = torch.full((1,), g.local, device=q.device)
@@ -113,19 +119,15 @@ class RowsStep:
                 o, l_ = prefix_state(q[:, :, t], g, layer, st, scale, softcap)
             else:
                 continue
-            out[:, :, t], lse[:, :, t] = merge_states(out[:, :, t], lse[:, :, t], o, l_)
+            _merge_at(out, lse, t, o, l_)
         if ring:
             return out.to(q.dtype)
         out, lse = reduce_states(out, lse, group=self.group, strategy=self.strategy)
-        for s in self.shapes:  # the lines' own tokens: the same on every rank, merged once
-            idx = s.dev["idx"].reshape(-1)
-            if s.T == 1:
-                o, l_ = _self_state(q[:, :, idx], k[:, :, idx], v[:, :, idx], scale, softcap)
-            else:
+        for s in self.shapes:  # a chunk's own tokens: the same on every rank, merged once
+            if s.placed is None:
                 o, l_ = new_token_state(_lines(q, s), _lines(k, s), _lines(v, s), None, scale, softcap=softcap,
                                         window=window)  # fmt: skip
-                o, l_ = _flat(o)[None], _flat(l_)[None]
-            out[:, :, idx], lse[:, :, idx] = merge_states(out[:, :, idx], lse[:, :, idx], o, l_)
+                _merge_at(out, lse, s.dev["sel"], _flat(o)[None], _flat(l_)[None])
         return out.to(q.dtype)
 
 
@@ -141,16 +143,21 @@ def prefix_state(q: Tensor, g: PrefixGroup, layer: int, start, scale, softcap) -
     return _attention(q, kp, vp, scale=scale, kv_start=start, softcap=softcap, keep_fp32=True)
 
 
-def _self_state(q: Tensor, k: Tensor, v: Tensor, scale, softcap) -> tuple[Tensor, Tensor]:
-    """The state of each token over itself alone: its value, and its own score as the lse."""
-    Hq, Hkv, D = q.shape[1], k.shape[1], q.shape[3]
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    G = Hq // Hkv
-    kq, vq = k.repeat_interleave(G, 1).to(acc), v.repeat_interleave(G, 1).to(acc)
-    s = (q.to(acc) * kq).sum(-1) * (D**-0.5 if scale is None else float(scale))
-    if softcap:
-        s = torch.tanh(s / softcap) * softcap
-    return vq, s
+def _sel(idx: Tensor, device) -> slice | Tensor:
+    """Flat token indices (host) as a slice when they are consecutive (views, merges in
+    place), else as a device index tensor."""
+    a = int(idx[0]) if len(idx) else 0
+    if torch.equal(idx, torch.arange(a, a + len(idx))):
+        return slice(a, a + len(idx))
+    return idx.to(device)
+
+
+def _merge_at(out: Tensor, lse: Tensor, sel: slice | Tensor, o: Tensor, l_: Tensor) -> None:
+    """Merge the state ``(o, l_)`` of the tokens ``sel`` into ``(out, lse) [1, Hq, N(, Dv)]``."""
+    if isinstance(sel, slice):
+        merge_into(out[:, :, sel], lse[:, :, sel], o, l_)
+    else:
+        out[:, :, sel], lse[:, :, sel] = merge_states(out[:, :, sel], lse[:, :, sel], o, l_)
 
 
 def _prefix(g: PrefixGroup, layer: int) -> tuple[Tensor, Tensor]:
@@ -160,7 +167,7 @@ def _prefix(g: PrefixGroup, layer: int) -> tuple[Tensor, Tensor]:
 def _lines(x: Tensor, s: Shape) -> Tensor:
     """``[1, H, N, D]`` -> the shape's lines ``[n, H, T, D]``."""
     n, T = s.idx.shape
-    return x[0, :, s.dev["idx"].reshape(-1)].reshape(x.shape[1], n, T, -1).transpose(0, 1)
+    return x[0, :, s.dev["sel"]].reshape(x.shape[1], n, T, -1).transpose(0, 1)
 
 
 def _flat(x: Tensor) -> Tensor:

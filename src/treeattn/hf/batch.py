@@ -127,6 +127,8 @@ class BatchRunner:
         rows = [r for r, _ in lines]
         if len(set(rows)) != len(rows) or not all(ids for _, ids in lines):
             raise ValueError("each line needs a distinct row and at least one token")
+        order = sorted(range(len(lines)), key=lambda i: (len(lines[i][1]), self._key(lines[i][0])))
+        lines = [lines[i] for i in order]  # lines of one length, and of one prefix, lie together
         pos, ids, last, by_T = [], [], [], {}
         for r, t in lines:
             p0, n = int(self.rows.start[r] + self.rows.n[r]), len(ids)
@@ -138,6 +140,11 @@ class BatchRunner:
             last.append(len(ids) - 1)
         pos = torch.tensor(pos, dtype=torch.int64)
         shapes = [Shape(T, rs, torch.tensor(ix, dtype=torch.int64)) for T, (rs, ix) in by_T.items()]
+        for s in shapes:  # single new tokens go to their owners before the forward (attended there)
+            if s.T == 1:
+                i, _, slots = self.rows.place(s.rows, 1)
+                rid = torch.tensor(s.rows, dtype=torch.int64)[i]
+                s.placed = (rid.to(self.device), slots.to(self.device), s.idx[i, 0].to(self.device))
         groups: dict[tuple[int, int], list[int]] = {}
         for (r, t), x in zip(lines, last, strict=True):
             if self.row_prefix[r] is not None:
@@ -151,7 +158,7 @@ class BatchRunner:
         with self._switch():
             hidden = self.decoder(input_ids=torch.tensor([ids], device=self.device), position_ids=pos[None].to(self.device),
                                   **S._cache_kw(self.decoder, tc), use_cache=True, treeattn_ctx=ctx).last_hidden_state  # fmt: skip
-        for s in shapes:  # each line's tokens to the rank and slot its row's placement gives them
+        for s in (s for s in shapes if s.placed is None):  # chunks: to the ranks and slots their rows give them
             i, j, slots = self.rows.place(s.rows, s.T)
             flat = s.idx[i, j].to(self.device)
             rid = torch.tensor(s.rows, dtype=torch.int64)[i].to(self.device)
@@ -159,7 +166,12 @@ class BatchRunner:
                 self.rows.store(layer, rid, slots.to(self.device), k[0, :, flat].transpose(0, 1), v[0, :, flat].transpose(0, 1))
         for r, t in lines:
             self.row_ids[r].extend(t)
-        return S.lm_logits(self.model, hidden[0, torch.tensor(last, device=self.device)])
+        back = torch.tensor(order).argsort()  # the callers' order
+        return S.lm_logits(self.model, hidden[0, torch.tensor(last)[back].to(self.device)])
+
+    def _key(self, row: int) -> tuple[int, int]:
+        pid = self.row_prefix[row]
+        return (-1, 0) if pid is None else (pid, int(self.rows.start[row]))
 
     def _adopt(self, sess: Session, row: int) -> None:
         c, rc = sess.cache, self.rows
