@@ -24,7 +24,7 @@ NAME = "SmolLM2-135M-Instruct.Q4_1"  # the served name: the GGUF file's stem
 
 @pytest.fixture(scope="module")
 def server(smol):
-    s = Server("--model", str(GGUF), "--nproc", "2", "--max-queue", "2", "--prefill-chunk", "512")
+    s = Server("--model", str(GGUF), "--nproc", "2", "--max-queue", "2", "--max-batch", "4", "--prefill-chunk", "512")
     yield s
     s.kill()
 
@@ -187,9 +187,17 @@ def test_bad_requests(server, body, status, where):
 
 
 def test_full_queue_is_429(server, client):
-    long = server.events("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content":
-                         "Write a long story about a dragon."}], "max_tokens": 300, "temperature": 0})  # fmt: skip
-    next(long)  # it runs
+    """Four long answers fill the batch (--max-batch 4), two more requests wait (--max-queue 2):
+    the next one gets a 429, and the waiting ones run once the long ones are cancelled."""
+    longs = [server.events("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content":
+             f"Write a long story about dragon number {i}."}], "max_tokens": 300, "temperature": 0})
+             for i in range(4)]  # fmt: skip
+    for s in longs:
+        next(s)  # it runs
+    deadline = time.monotonic() + 30
+    while _health(server)["running"] < 4 and time.monotonic() < deadline:  # /health follows within a step
+        time.sleep(0.05)
+    assert _health(server)["running"] == 4
     done: list = []
     waiting = [threading.Thread(target=lambda: done.append(_ask(client, CHAT, max_tokens=4))) for _ in range(2)]
     for t in waiting:
@@ -197,12 +205,14 @@ def test_full_queue_is_429(server, client):
     deadline = time.monotonic() + 60
     while _health(server)["queued"] < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert _health(server)["queued"] == 2
     st, out = server.request("POST", "/v1/chat/completions", {"model": NAME, "messages": [{"role": "user",
                              "content": "hi"}]})  # fmt: skip
     assert st == 429 and out["error"]["code"] == "queue_full"
     with pytest.raises(openai.RateLimitError):
         _ask(client, CHAT)
-    long.close()
+    for s in longs:
+        s.close()
     for t in waiting:
         t.join(600)
     assert len(done) == 2 and all(d.choices[0].finish_reason == "length" for d in done)
