@@ -150,6 +150,9 @@ class Engine:
         try:
             while True:
                 if stopping.is_set():
+                    if sched.closing or sched.dropping:  # rows that ended close first: the ranks end alike
+                        self._run(Plan(closes=sched.closing, drops=sched.dropping))
+                        sched.closing, sched.dropping = [], []
                     self._send(torch.tensor([STOP, 0]))
                     sched.fail(503, "the server is shutting down")
                     return
@@ -160,11 +163,7 @@ class Engine:
                         self._send(torch.tensor([IDLE, 0]))
                     continue
                 t0 = time.perf_counter()
-                body = torch.tensor(plan.encode(), dtype=torch.int64)
-                self._send(torch.tensor([RUN, len(body)]))
-                self._send(body)
-                t1 = time.perf_counter()
-                logits = self.execute(plan)
+                logits, t1 = self._run(plan)
                 t2 = time.perf_counter()
                 sched.after(plan, logits)
                 self._account(sched, plan, (t1 - t0, t2 - t1, time.perf_counter() - t2))
@@ -174,6 +173,13 @@ class Engine:
                 on_failure(why)
             sched.fail(503, f"a rank failed: {why}")
             raise RankFailure(str(e)) from e
+
+    def _run(self, plan: Plan) -> tuple[torch.Tensor | None, float]:
+        """Rank 0: send ``plan`` to the other ranks and execute it; (logits, when it was sent)."""
+        body = torch.tensor(plan.encode(), dtype=torch.int64)
+        self._send(torch.tensor([RUN, len(body)]))
+        self._send(body)
+        return self.execute(plan), time.perf_counter()
 
     def _account(self, sched: Scheduler, plan: Plan, times: tuple[float, float, float]) -> None:
         st, r = self.stats, self.runner
