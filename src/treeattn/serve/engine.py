@@ -157,13 +157,14 @@ class Engine:
                     sched.fail(503, "the server is shutting down")
                     return
                 sched.admit(requests, self.heartbeat)
+                t0 = time.perf_counter()
                 plan = sched.plan()
                 if plan is None:
                     if not stopping.is_set():
                         self._send(torch.tensor([IDLE, 0]))
                     continue
-                t0 = time.perf_counter()
-                logits, t1 = self._run(plan)
+                t1 = time.perf_counter()
+                logits = self._run(plan)
                 t2 = time.perf_counter()
                 sched.after(plan, logits)
                 self._account(sched, plan, (t1 - t0, t2 - t1, time.perf_counter() - t2))
@@ -174,12 +175,12 @@ class Engine:
             sched.fail(503, f"a rank failed: {why}")
             raise RankFailure(str(e)) from e
 
-    def _run(self, plan: Plan) -> tuple[torch.Tensor | None, float]:
-        """Rank 0: send ``plan`` to the other ranks and execute it; (logits, when it was sent)."""
+    def _run(self, plan: Plan) -> torch.Tensor | None:
+        """Rank 0: send ``plan`` to the other ranks and execute it."""
         body = torch.tensor(plan.encode(), dtype=torch.int64)
         self._send(torch.tensor([RUN, len(body)]))
         self._send(body)
-        return self.execute(plan), time.perf_counter()
+        return self.execute(plan)
 
     def _account(self, sched: Scheduler, plan: Plan, times: tuple[float, float, float]) -> None:
         st, r = self.stats, self.runner
