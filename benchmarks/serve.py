@@ -2,7 +2,8 @@
 five questions about one long document, asked one after another through the official ``openai``
 client, with the prefix cache and without it (``--cache-tokens 0``: every question prefills the
 whole document); time to first token of each (the first streamed content), the answers of both
-servers compared; then sustained tokens/s of 4 concurrent clients on the cached server. Greedy.
+servers compared; then sustained tokens/s of 4 concurrent clients on the cached server (batched: see
+serve_batch.py for batching against one request at a time). Greedy.
 Not a test: it prints what it measured.
 
     python benchmarks/serve.py --doc /usr/share/common-licenses/GPL-3 --nproc 2
@@ -116,7 +117,7 @@ def main() -> None:
     print(f"\nprefix cache: first question {warm[0][1]:.2f} s, the next {len(later)}: median {sorted(later)[len(later) // 2]:.2f} s "
           f"({sorted(later)[len(later) // 2] / warm[0][1]:.3f}x the first)")  # fmt: skip
     n, toks, wall = conc
-    print(f"{a.clients} concurrent clients, {n} requests (served one at a time, FIFO): {toks} tokens in {wall:.1f} s = "
+    print(f"{a.clients} concurrent clients, {n} requests (batched, --max-batch 8 by default): {toks} tokens in {wall:.1f} s = "
           f"{toks / wall:.1f} tokens/s sustained (prefill of the questions included)")  # fmt: skip
 
 
