@@ -12,12 +12,17 @@ import torch
 import torch.distributed as dist
 
 from .._argtypes import at_least
-from ..comm.strategies import STRATEGIES
-from .presets import PRESETS, build_model, preset_config
-
-
-class UsageError(ValueError):
-    """A bad command line or input, reported as one line (no traceback)."""
+from ..model_cli import (
+    UsageError,
+    add_model_args,
+    check_model,
+    model_config,
+    rank_model,
+    run_ranks,
+    say,
+    session_kwargs,
+)
+from .presets import PRESETS, preset_config
 
 
 @dataclass
@@ -63,21 +68,9 @@ def _tokenize(a, tok) -> torch.Tensor:
     return tok(text, return_tensors="pt").input_ids
 
 
-def model_config(spec: str) -> tuple:
-    """(directory, config) of a ``--model`` argument; UsageError when it cannot be found."""
-    from transformers import AutoConfig
-
-    from .models import ModelNotFound, resolve_model
-
-    try:
-        d = str(resolve_model(spec, log=say))
-    except ModelNotFound as e:
-        raise UsageError(str(e)) from e
-    return d, AutoConfig.from_pretrained(d, local_files_only=True, trust_remote_code=False)
-
-
-def prepare(a: argparse.Namespace, local_ranks: int) -> Job:
-    """Resolve the model, build the prompt and check that it fits, before any rank starts work."""
+def prepare(a: argparse.Namespace) -> Job:
+    """Resolve the model, build the prompt and check that it fits, before any rank starts work
+    (under torchrun: on every rank)."""
     if a.system is not None and not a.chat:
         raise UsageError("--system needs --chat")
     if a.chat and a.prompt is None and a.prompt_file is None:
@@ -99,24 +92,16 @@ def prepare(a: argparse.Namespace, local_ranks: int) -> Job:
         raise UsageError("--speculate draft needs --draft-model")
     if a.draft_model and a.speculate != "draft":
         raise UsageError("--draft-model is used by --speculate draft only")
-    model_dir, tok = None, None
-    if a.model:
-        model_dir, cfg = model_config(a.model)
-        if a.prompt is not None or a.prompt_file is not None:
-            from transformers import AutoTokenizer
+    model_dir, cfg = check_model(a)
+    tok = None
+    if model_dir is not None and (a.prompt is not None or a.prompt_file is not None):
+        from transformers import AutoTokenizer
 
-            try:
-                tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
-            except Exception:
-                tok = None
-    else:
-        cfg = preset_config(a.preset)
+        try:
+            tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+        except Exception:
+            tok = None
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    from .families import unsupported_reason
-
-    why = unsupported_reason(cfg)
-    if why is not None:
-        raise UsageError(why)
     if a.prompt is not None or a.prompt_file is not None:
         ids = _tokenize(a, tok)
     elif a.prompt_ids:
@@ -143,7 +128,7 @@ def prepare(a: argparse.Namespace, local_ranks: int) -> Job:
         if L + new > max_pos:
             new = max_pos - L
             notes.append(f"max_new_tokens lowered to {new} (the model supports {max_pos:,} positions)")
-    _check_fit(a, cfg, L, new, ids.shape[0], local_ranks)
+    _check_fit(a, cfg, L, new, ids.shape[0])
     if (a.speculate or a.penalty_alpha) and ids.shape[0] > 1:
         what = "--speculate" if a.speculate else "--penalty-alpha"
         raise UsageError(f"{what} decodes one sequence (batch 1), got a batch of {ids.shape[0]}")
@@ -181,10 +166,12 @@ def _draft_dir(a, text_cfg, model_dir: str | None) -> str | None:
     return d
 
 
-def _check_fit(a, cfg, L: int, new: int, batch: int, local_ranks: int) -> None:
+def _check_fit(a, cfg, L: int, new: int, batch: int) -> None:
     from .models import available_memory, memory_plan
 
-    p = a.nproc if "WORLD_SIZE" not in os.environ else int(os.environ["WORLD_SIZE"])
+    p, local_ranks = a.nproc, a.nproc
+    if "WORLD_SIZE" in os.environ:  # torchrun
+        p, local_ranks = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     plan = memory_plan(cfg, prompt_len=L, max_new_tokens=new, nproc=p, batch=batch, dtype=getattr(torch, a.dtype),
                        prefill_chunk=a.prefill_chunk or None)  # fmt: skip
     gib = 2.0**30
@@ -205,20 +192,13 @@ def _check_fit(a, cfg, L: int, new: int, batch: int, local_ranks: int) -> None:
         )
 
 
-def worker(a: argparse.Namespace, job: Job | None = None) -> None:
+def worker(a: argparse.Namespace, job: Job, local: bool) -> None:
     from ._steps import auto_block
     from .generate import generate
 
     rank, p = dist.get_rank(), dist.get_world_size()
-    if job is None:  # under torchrun every rank prepares its own (identical) job
-        job = prepare(a, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    dtype = getattr(torch, a.dtype)
-    model, tok = build_model(a.preset, job.model_dir, dtype, a.seed)
-    ids = job.ids
-    if a.device == "cuda":  # one GPU per rank (untested here: CI has no GPU)
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(dev)
-        model, ids = model.to(dev), ids.to(dev)
+    model, tok = rank_model(a, job.model_dir)
+    ids = job.ids.to(next(model.parameters()).device)
     if rank == 0:
         say(f"model {a.model or a.preset}, {a.dtype}, p={p}, prompt {tuple(ids.shape)}, attention={a.attention}, "
             f"prefill={a.prefill}, placement={a.placement}"
@@ -231,32 +211,21 @@ def worker(a: argparse.Namespace, job: Job | None = None) -> None:
         from transformers import TextStreamer
 
         streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
-    if a.device == "cpu":  # load (under torchrun: build) the decode kernel before the timings start
-        from ..ops._decode_cpu import kernel_available
-
-        kernel_available()
     draft = None
     if a.speculate == "draft" and rank == 0:  # it drafts on rank 0 only
-        draft = build_model(a.draft_model if job.draft_dir is None else None, job.draft_dir, dtype, a.seed)[0]
-        if a.device == "cuda":
-            draft = draft.to(ids.device)
+        draft = rank_model(a, job.draft_dir, a.draft_model)[0]
     timings: dict = {}
     out = generate(
         model,
         ids,
         max_new_tokens=job.max_new_tokens,
-        placement=a.placement,
-        block=a.block,
-        attention=a.attention,
-        strategy=a.strategy,
-        prefill=a.prefill,
+        **session_kwargs(a),
         do_sample=a.sample,
         temperature=a.temperature,
         top_k=a.top_k,
         top_p=a.top_p,
         seed=a.seed,
         stop_at_eos=not a.ignore_eos,
-        prefill_chunk=a.prefill_chunk or None,
         streamer=streamer,
         info=timings,
         progress=a.progress,
@@ -317,11 +286,6 @@ def worker(a: argparse.Namespace, job: Job | None = None) -> None:
             raise SystemExit(2)
 
 
-def say(msg: str) -> None:
-    """Status lines go to stderr: stdout carries only the generated text (or token ids)."""
-    print(msg, file=sys.stderr, flush=True)
-
-
 def add_parser(sub) -> None:
     g = sub.add_parser(
         "generate",
@@ -329,16 +293,7 @@ def add_parser(sub) -> None:
         description="Generate with a transformers model whose KV cache is sharded across ranks. The generated "
         "text streams to stdout (rank 0); status and statistics go to stderr.",
     )
-    src = g.add_mutually_exclusive_group()
-    src.add_argument(
-        "--model",
-        help="a local model directory (safetensors), a .gguf file (converted once into ~/.cache/treeattn or "
-        "$TREEATTN_CACHE_DIR), or a hub "
-        "id (from the local hub cache, else downloaded: config, tokenizer, safetensors)",
-    )
-    src.add_argument(
-        "--preset", default="tiny-llama", choices=list(PRESETS), help="random-weight config (default tiny-llama)"
-    )
+    add_model_args(g)
     pr = g.add_mutually_exclusive_group()
     pr.add_argument("--prompt", help="text (needs the model's tokenizer)")
     pr.add_argument("--prompt-file", help="a text file to use as the prompt (a long document); - reads stdin")
@@ -347,27 +302,10 @@ def add_parser(sub) -> None:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template (user turn)")
     g.add_argument("--system", help="system message for --chat")
     g.add_argument("--batch", type=at_least(1), default=1, help="random prompts in the batch (with --prompt-len)")
-    g.add_argument("--nproc", type=at_least(1), default=2, help="local ranks to launch (ignored under torchrun)")
     g.add_argument(
         "--max-new-tokens", type=at_least(1), default=128, help="at most this many (stops at EOS; default 128)"
     )
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
-    g.add_argument("--attention", choices=["tree", "ring"], default="tree", help="decoding: Tree or Ring Attention")
-    g.add_argument("--prefill", choices=["auto", "tree", "ring"], default="auto",
-                   help="how the prompt is prefilled across ranks (default auto: per chunk, the method moving fewer bytes)")  # fmt: skip
-    g.add_argument(
-        "--strategy",
-        choices=STRATEGIES,
-        default="auto",
-        help="how tree attention merges across ranks (default auto: the cost model picks)",
-    )
-    g.add_argument("--placement", choices=["interleaved", "contiguous"], default="interleaved")
-    g.add_argument("--block", type=at_least(1), default=None,
-                   help="tokens per placement block of the KV cache (default: by the prompt's length, up to 256)")  # fmt: skip
-    g.add_argument(
-        "--prefill-chunk", type=at_least(0), default=1024, help="prompt tokens per rank per prefill step (0: all)"
-    )
-    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     g.add_argument("--sample", action="store_true", help="sample instead of greedy")
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument(
@@ -377,10 +315,7 @@ def add_parser(sub) -> None:
         help="sample from the k likeliest tokens (0: off); with --penalty-alpha: the contrastive candidates",
     )
     g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--threads", type=at_least(1), default=1, help="compute threads per rank (default 1)")
-    g.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, NCCL (torchrun)")
-    g.add_argument("--timeout", type=float, default=3600.0)
+    g.add_argument("--timeout", type=float, default=3600.0, help="seconds the whole run may take (default 3600)")
     g.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming it")
     g.add_argument("--compare-single", action="store_true", help="check tokens against single-process model.generate")
     g.add_argument("--progress", action="store_true", help="progress bar on rank 0")
@@ -411,40 +346,9 @@ def add_parser(sub) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
-    from ..launch import LaunchError, launch, torchrun_group, under_torchrun
+    from ..launch import under_torchrun
 
-    if under_torchrun():
-        if a.prompt_file == "-":
-            print("treeattn generate: --prompt-file - (stdin) needs the local launcher, not torchrun", file=sys.stderr)
-            return 2
-        with torchrun_group("nccl" if a.device == "cuda" else "gloo", a.threads):
-            try:
-                worker(a)
-            except UsageError as e:
-                if dist.get_rank() == 0:
-                    print(f"treeattn generate: {e}", file=sys.stderr)
-                return 2
-        return 0
-
-    try:
-        job = prepare(a, a.nproc)
-    except UsageError as e:
-        print(f"treeattn generate: {e}", file=sys.stderr)
+    if under_torchrun() and a.prompt_file == "-":
+        print("treeattn generate: --prompt-file - (stdin) needs the local launcher, not torchrun", file=sys.stderr)
         return 2
-    if a.device == "cpu":  # build (or load) the decode kernel once here, not inside the ranks' timings
-        from ..ops._decode_cpu import kernel_available
-
-        kernel_available()
-    try:
-        launch(
-            worker,
-            a.nproc,
-            (a, job),
-            threads=a.threads,
-            timeout=a.timeout,
-            backend="nccl" if a.device == "cuda" else "gloo",
-        )
-    except LaunchError as e:
-        print(f"treeattn generate failed: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return run_ranks("generate", a, worker, prepare, timeout=a.timeout)

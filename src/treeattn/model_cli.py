@@ -1,0 +1,155 @@
+"""What ``treeattn generate`` and ``treeattn serve`` share: the model and parallelism
+arguments, checking the model before any rank starts, building it on a rank, and running a
+worker on local ranks or under torchrun. One path, so the two commands cannot drift."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from ._argtypes import at_least
+from .comm.strategies import STRATEGIES
+
+
+class UsageError(ValueError):
+    """A bad command line or input, reported as one line (no traceback)."""
+
+
+def say(msg: str) -> None:
+    """Status lines go to stderr: stdout carries only generated text."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def add_model_args(g: argparse.ArgumentParser) -> None:
+    """The model, its dtype and the ranks: the arguments both commands take."""
+    from .hf.presets import PRESETS
+
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--model", help="a local model directory (safetensors), a .gguf file (converted once into "
+                     "~/.cache/treeattn or $TREEATTN_CACHE_DIR), or a hub id (from the local hub cache, else "
+                     "downloaded: config, tokenizer, safetensors)")  # fmt: skip
+    src.add_argument("--preset", default="tiny-llama", choices=list(PRESETS),
+                     help="random-weight config (default tiny-llama)")  # fmt: skip
+    g.add_argument("--nproc", type=at_least(1), default=2, help="local ranks to launch (ignored under torchrun)")
+    g.add_argument("--attention", choices=["tree", "ring"], default="tree", help="decoding: Tree or Ring Attention")
+    g.add_argument("--prefill", choices=["auto", "tree", "ring"], default="auto",
+                   help="how prompts are prefilled across ranks (default auto: per chunk, the method moving fewer "
+                   "bytes)")  # fmt: skip
+    g.add_argument("--strategy", choices=STRATEGIES, default="auto",
+                   help="how tree attention merges across ranks (default auto: the cost model picks)")  # fmt: skip
+    g.add_argument("--placement", choices=["interleaved", "contiguous"], default="interleaved")
+    g.add_argument("--block", type=at_least(1), default=None,
+                   help="tokens per placement block of the KV cache (default: by the prompt's length, up to 256)")  # fmt: skip
+    g.add_argument("--prefill-chunk", type=at_least(0), default=1024,
+                   help="prompt tokens per rank per prefill step (0: all)")  # fmt: skip
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    g.add_argument("--seed", type=int, default=0,
+                   help="the random weights of a --preset (generate: also sampling, --prompt-len prompts)")  # fmt: skip
+    g.add_argument("--threads", type=at_least(1), default=1, help="compute threads per rank (default 1)")
+    g.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, NCCL (torchrun)")
+    g.add_argument("--collective-timeout", type=float, default=120.0,
+                   help="seconds a collective may wait for a peer before every rank fails (default 120)")  # fmt: skip
+
+
+def model_config(spec: str) -> tuple:
+    """(directory, config) of a ``--model`` argument; UsageError when it cannot be found."""
+    from transformers import AutoConfig
+
+    from .hf.models import ModelNotFound, resolve_model
+
+    try:
+        d = str(resolve_model(spec, log=say))
+    except ModelNotFound as e:
+        raise UsageError(str(e)) from e
+    return d, AutoConfig.from_pretrained(d, local_files_only=True, trust_remote_code=False)
+
+
+def check_model(a: argparse.Namespace) -> tuple:
+    """(directory or None for a preset, config) of ``--model``/``--preset``; UsageError for a
+    model that cannot be found or that treeattn cannot run."""
+    from .hf.families import unsupported_reason
+    from .hf.presets import preset_config
+
+    model_dir, cfg = model_config(a.model) if a.model else (None, preset_config(a.preset))
+    why = unsupported_reason(cfg)
+    if why is not None:
+        raise UsageError(why)
+    return model_dir, cfg
+
+
+def session_kwargs(a: argparse.Namespace) -> dict:
+    """The Session keywords the parallelism arguments give."""
+    return dict(placement=a.placement, attention=a.attention, strategy=a.strategy,
+                prefill_chunk=a.prefill_chunk or None, block=a.block, prefill=a.prefill)  # fmt: skip
+
+
+def rank_model(a: argparse.Namespace, model_dir: str | None, spec: str | None = None) -> tuple:
+    """On a rank: (model, tokenizer or None) of ``model_dir`` (None: the preset or hub id
+    ``spec``, default ``--preset``), in ``--dtype``, on this rank's device; on CPU the decode
+    kernel is built (or loaded) here, before any timing starts."""
+    from .hf.presets import build_model
+
+    model, tok = build_model(a.preset if spec is None else spec, model_dir, getattr(torch, a.dtype), a.seed)
+    if a.device == "cuda":  # one GPU per rank
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(dev)
+        model = model.to(dev)
+    else:
+        from .ops._decode_cpu import kernel_available
+
+        kernel_available()
+    return model, tok
+
+
+def run_ranks(cmd: str, a: argparse.Namespace, worker: Callable, prepare: Callable, *, timeout: float,
+              stopped_status: int = 130) -> int:  # fmt: skip
+    """Run ``worker(a, prepare(a), local)`` on every rank; the exit status.
+
+    Under torchrun every rank prepares its own job (``local`` False) in the process group
+    torchrun describes, with ``--threads`` and ``--collective-timeout``, destroyed on the way
+    out. Otherwise the job is prepared once here and ``--nproc`` local ranks are launched
+    (``local`` True); Ctrl-C or SIGTERM stop every rank and give ``stopped_status``. A
+    :class:`UsageError` gives 2 (one line on stderr), a failed rank 1.
+    """
+    from .launch import LaunchError, launch, torchrun_group, under_torchrun
+
+    backend = "nccl" if a.device == "cuda" else "gloo"
+    if under_torchrun():
+        with torchrun_group(backend, a.threads, a.collective_timeout):
+            try:
+                worker(a, prepare(a), False)
+            except UsageError as e:
+                if dist.get_rank() == 0:
+                    print(f"treeattn {cmd}: {e}", file=sys.stderr)
+                return 2
+        return 0
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    for s in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a shell's background job inherits it ignored
+        signal.signal(s, stop)
+    try:
+        job = prepare(a)
+        if a.device == "cpu":  # build (or load) the decode kernel once, before the ranks start
+            from .ops._decode_cpu import kernel_available
+
+            kernel_available()
+        launch(worker, a.nproc, (a, job, True), threads=a.threads, timeout=timeout,
+               collective_timeout=a.collective_timeout, backend=backend)  # fmt: skip
+    except UsageError as e:
+        print(f"treeattn {cmd}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # launch() has killed every rank on the way out
+        print(f"treeattn {cmd}: stopped", file=sys.stderr)
+        return stopped_status
+    except LaunchError as e:
+        print(f"treeattn {cmd} failed: {e}", file=sys.stderr)
+        return 1
+    return 0
