@@ -8,7 +8,6 @@ that adopts a finished row is checked the same way."""
 import random
 
 import pytest
-import torch
 import torch.distributed as dist
 
 pytest.importorskip("transformers")

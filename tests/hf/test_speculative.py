@@ -52,6 +52,7 @@ class Oracle:
 
 def spec_worker(seed0):
     from treeattn.hf import Session, generate
+    from treeattn.hf.sampler import Sampler
     from treeattn.hf.speculative import Speculator
 
     p = dist.get_world_size()
@@ -83,8 +84,7 @@ def spec_worker(seed0):
         R.block = s.cache.placement.block  # the block the prompt's length chose
         R.extend(ids.tolist())
         width = 1 + i % 2
-        sp = Speculator(Oracle(ids.shape[1], ref[0].tolist(), V, seed0 + i), 4, width, sample=False, probs=None,
-                        generator=None)  # fmt: skip
+        sp = Speculator(Oracle(ids.shape[1], ref[0].tolist(), V, seed0 + i), 4, width, Sampler())
         got = [int(logits.argmax())]
         while len(got) < ORACLE:
             new = sp.step(s, got[-1], ORACLE - len(got))
@@ -106,10 +106,10 @@ def _biased_verify(self, logits, tokens, parents, draft):
     the residual max(0, p - q) (and accept with probability p / q as usual)."""
     q = draft.q
     for i in range(1, len(tokens)):
-        p = self.probs(logits[i - 1].float())
-        if float(torch.rand((), generator=self.gen)) * float(q[i - 1, tokens[i]]) >= float(p[tokens[i]]):
-            return list(range(i)), self._draw(p)
-    return list(range(len(tokens))), self._next(logits[-1].float())
+        p = self.sampler.probs(logits[i - 1].float())
+        if self.sampler.rand() * float(q[i - 1, tokens[i]]) >= float(p[tokens[i]]):
+            return list(range(i)), self.sampler.draw(p)
+    return list(range(len(tokens))), self.sampler.next(logits[-1].float())
 
 
 _REAL_VERIFY = []
@@ -122,13 +122,13 @@ def _biased_tree_verify(self, logits, tokens, parents, draft):
         return _REAL_VERIFY[0](self, logits, tokens, parents, draft)
     node, path = 0, [0]
     while True:
-        p = self.probs(logits[node].float())
+        p = self.sampler.probs(logits[node].float())
         trials = [i + 1 for i in draft.trials.get(node - 1, [])]
         for c in trials:
-            if float(torch.rand((), generator=self.gen)) * float(draft.q[c - 1, tokens[c]]) < float(p[tokens[c]]):
+            if self.sampler.rand() * float(draft.q[c - 1, tokens[c]]) < float(p[tokens[c]]):
                 break
         else:
-            return path, self._draw(p)
+            return path, self.sampler.draw(p)
         path.append(c)
         node = c
 
@@ -219,6 +219,7 @@ def bad_worker():
     assert same_on_all_ranks(str(e.value))
     # a drafter that fails on rank 0 fails every rank (nobody waits in the broadcast)
     from treeattn.hf import Session
+    from treeattn.hf.sampler import Sampler
     from treeattn.hf.speculative import Speculator
 
     class Broken:
@@ -227,7 +228,7 @@ def bad_worker():
 
     s = Session(m)
     s.extend(ids)
-    sp = Speculator(Broken(), 3, 1, sample=False, probs=None, generator=None)
+    sp = Speculator(Broken(), 3, 1, Sampler())
     with pytest.raises(RuntimeError, match="the drafter failed on rank 0 of the group: MemoryError: the draft model"):
         sp.step(s, 5, 10)
     # the group is still in lockstep: a speculative run after the refusals is exact, and its

@@ -7,36 +7,14 @@ import time
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from transformers import LogitsProcessorList
-from transformers.generation.logits_process import (
-    EtaLogitsWarper,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    TypicalLogitsWarper,
-)
 
 from ..comm.collectives import world
 from ..comm.validate import agree, float_bits
 from ._steps import checksum, model_problem, right_padded
 from .contrastive import HiddenStore, contrastive_step
+from .sampler import Sampler
 from .session import ATTENTIONS, PREFILLS, Session
 from .speculative import SPECULATE, DraftModel, PromptLookup, Speculator
-
-
-def _processors(temperature, top_k, top_p, typical_p, eta_cutoff, device) -> LogitsProcessorList:
-    procs = LogitsProcessorList()
-    if temperature != 1.0:
-        procs.append(TemperatureLogitsWarper(temperature))
-    if top_k:
-        procs.append(TopKLogitsWarper(top_k))
-    if top_p is not None and top_p < 1.0:
-        procs.append(TopPLogitsWarper(top_p))
-    if typical_p is not None and typical_p < 1.0:
-        procs.append(TypicalLogitsWarper(typical_p))
-    if eta_cutoff:
-        procs.append(EtaLogitsWarper(eta_cutoff, device=device))
-    return procs
 
 
 def _prompt_lens(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
@@ -179,7 +157,7 @@ def generate(
             attention interface).
     """
     rank, p = world(group)
-    err, lens, eos, pad, contrast = None, None, [], 0, False
+    err, lens, eos, pad, contrast, sampler = None, None, [], 0, False, None
     try:  # local checks; the verdict is shared below so a bad argument on one rank fails all
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
@@ -210,6 +188,8 @@ def generate(
         _check_speculate(model, input_ids, speculate, draft_model, num_draft_tokens, tree_width, rank, max_new_tokens)
         contrast = _check_contrastive(penalty_alpha, top_k, do_sample, speculate, input_ids.shape[0],
                                       model.config.vocab_size)  # fmt: skip
+        sampler = Sampler(do_sample, temperature=temperature, top_k=top_k, top_p=top_p, typical_p=typical_p,
+                          eta_cutoff=eta_cutoff, seed=seed, device=input_ids.device)  # fmt: skip
     except ValueError as e:
         err = str(e)
     ok = err is None
@@ -236,37 +216,27 @@ def generate(
 
     device = input_ids.device
     session = Session(model, group, placement, attention, strategy, prefill_chunk, block=block, prefill=prefill)
-    procs = _processors(temperature, top_k, top_p, typical_p, eta_cutoff, device) if do_sample else None
-    gen = torch.Generator(device=device).manual_seed(seed)
     bar = None
     if progress and rank == 0:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=max_new_tokens, desc="tokens", unit="tok")
     out = torch.full((B, max_new_tokens), pad, dtype=torch.int64, device=device)
-    seqs = input_ids.clone()
     eos_t = torch.tensor(eos, dtype=torch.int64, device=device)
     live = torch.ones(B, dtype=torch.bool, device=device)  # sequences that have not emitted EOS
 
     def pick(logits: Tensor) -> Tensor:
-        if not do_sample:
-            tok = logits.argmax(-1)
-        else:
-            scores = procs(seqs, logits)
-            tok = torch.multinomial(torch.softmax(scores, -1), 1, generator=gen).squeeze(1)
+        tok = sampler.pick(logits)
         return torch.where(live, tok, pad) if len(eos) else tok
 
     if contrast:
         session.hidden = HiddenStore(session)
     spec = None
     if speculate:
-        probs = (lambda lg: torch.softmax(procs(seqs, lg.float()[None]), -1)[0]) if do_sample else None
         drafter = None
         if rank == 0:  # drafts are made on rank 0 and broadcast
-            drafter = PromptLookup() if speculate == "prompt-lookup" else DraftModel(
-                draft_model, (lambda lg: procs(seqs, lg)) if do_sample else None, gen)  # fmt: skip
-        spec = Speculator(drafter, num_draft_tokens, tree_width, sample=do_sample, probs=probs, generator=gen,
-                          group=group, adaptive=adaptive_draft)  # fmt: skip
+            drafter = PromptLookup() if speculate == "prompt-lookup" else DraftModel(draft_model, sampler)
+        spec = Speculator(drafter, num_draft_tokens, tree_width, sampler, group=group, adaptive=adaptive_draft)
     n_out = 0
 
     def emit(tok: Tensor) -> bool:
@@ -309,7 +279,6 @@ def generate(
                 t, logits = contrastive_step(session, logits, penalty_alpha, top_k)
                 new = [torch.tensor([t], device=device)]
             elif spec is None:
-                seqs = torch.cat([seqs, tok[:, None]], 1) if do_sample else seqs
                 logits = session.extend(tok[:, None], check=False)
                 new = [pick(logits)]
             else:

@@ -23,6 +23,7 @@ from torch import Tensor
 from ..comm.collectives import broadcast, world
 from ._draft_policy import DraftPolicy
 from ._steps import _cache_kw
+from .sampler import Sampler
 
 SPECULATE = ("prompt-lookup", "draft")
 _MSG = 240  # bytes of a drafting error carried to the other ranks
@@ -106,10 +107,11 @@ class DraftModel:
     distributions kept for the verifier. ``width`` 1: a chain; ``k - 1`` draft forwards
     either way (the other branches are leaves)."""
 
-    def __init__(self, model: torch.nn.Module, warp=None, generator: torch.Generator | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, sampler: Sampler | None = None) -> None:
         from transformers import DynamicCache
 
-        self.model, self.warp, self.gen = model, warp, generator
+        self.model = model
+        self.sampler = sampler if sampler is not None and sampler.sample else None
         self.cache, self.ids, self.chunk = DynamicCache(), [], 1024
         self.device = next(model.parameters()).device
 
@@ -137,23 +139,23 @@ class DraftModel:
         logits = self._sync(hist)
         d, qs, trials, parent = Draft(), [], {}, -1
         for depth in range(k):
-            if self.warp is None:
+            if self.sampler is None:
                 draws = logits.topk(min(width, logits.numel())).indices.tolist()
             else:
-                q = torch.softmax(self.warp(logits[None]), -1)[0]
-                draws = torch.multinomial(q.to(self.gen.device), width, replacement=True, generator=self.gen).tolist()
+                q = self.sampler.probs(logits)
+                draws = self.sampler.draws(q, width)
             node = {}
             for t in dict.fromkeys(draws):  # distinct tokens, in the order drawn
                 node[t] = len(d.tokens)
                 d.tokens.append(t)
                 d.parents.append(parent)
-                if self.warp is not None:
+                if self.sampler is not None:
                     qs.append(q)
             trials[parent] = [node[t] for t in draws]
             parent = node[draws[0]]
             if depth + 1 < k:
                 logits = self._run([draws[0]])
-        if self.warp is not None:
+        if self.sampler is not None:
             d.q, d.trials = torch.stack(qs), trials
         self._crop(len(hist))
         return d
@@ -193,29 +195,19 @@ class SpecStats:
 
 class Speculator:
     """One speculative step at a time over a session of one sequence (B = 1): see the module
-    docstring. ``pick(logits [V]) -> int`` and ``probs(logits [V]) -> [V]`` are the target's
-    greedy or sampling rule (sampling: ``probs`` is the warped distribution and ``gen`` draws).
+    docstring. ``sampler`` is the target's greedy or sampling rule (its generator draws the
+    acceptance tests too).
     ``adaptive``: rank 0 drafts as deep as :class:`~treeattn.hf._draft_policy.DraftPolicy`
     finds worth it (up to ``k``; none when no draft promises a gain); else ``k`` deep wherever
     the drafter has a draft.
     A step without a draft is a plain :meth:`Session.extend`."""
 
-    def __init__(self, drafter, k: int, width: int, *, sample: bool, probs, generator, group=None,
-                 adaptive: bool = False) -> None:  # fmt: skip
+    def __init__(self, drafter, k: int, width: int, sampler: Sampler, *, group=None, adaptive: bool = False) -> None:
         self.drafter, self.k, self.width = drafter, k, width
-        self.sample, self.probs, self.gen, self.group = sample, probs, generator, group
+        self.sampler, self.group = sampler, group
         self.rank, _ = world(group)
         self.stats = SpecStats()
         self.policy = DraftPolicy(k, width) if adaptive else None
-
-    def _draw(self, p: Tensor) -> int:
-        return int(torch.multinomial(p.to(self.gen.device), 1, generator=self.gen))
-
-    def _rand(self) -> float:
-        return float(torch.rand((), generator=self.gen, device=self.gen.device))
-
-    def _next(self, logits: Tensor) -> int:
-        return self._draw(self.probs(logits)) if self.sample else int(logits.argmax())
 
     def step(self, session, tok: int, budget: int) -> list[int]:
         """Commit the pending token ``tok`` and the accepted drafts; returns the new tokens
@@ -297,23 +289,23 @@ class Speculator:
         node, path = 0, [0]
         if draft.q is None:  # greedy, or a sample of the target at each node: lossless for fixed drafts
             while True:
-                t = self._next(logits[node])
+                t = self.sampler.next(logits[node])
                 nxt = children.get(node, {}).get(t)
                 if nxt is None:
                     return path, t
                 path.append(nxt)
                 node = nxt
         while True:  # sampled drafts: SpecInfer's multi-step speculative sampling (one trial: Leviathan's rule)
-            p = self.probs(logits[node])
+            p = self.sampler.probs(logits[node])
             trials = [i + 1 for i in draft.trials.get(node - 1, [])]  # none at a leaf: the target's own draw
             for c in trials:
                 q, t = draft.q[c - 1].to(p), tokens[c]
-                if self._rand() * float(q[t]) < float(p[t]):
+                if self.sampler.rand() * float(q[t]) < float(p[t]):
                     break
                 resid = (p - q).clamp(min=0)
                 p = resid / resid.sum() if float(resid.sum()) > 0 else p
             else:
-                return path, self._draw(p)
+                return path, self.sampler.draw(p)
             path.append(c)
             node = c
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..hf.sampler import Sampler
 from .plan import Plan
 from .request import BadRequest, Request, first_stop, safe_prefix
 
@@ -42,15 +43,7 @@ class Job:
     finish: str | None = None
     reserve: int = 0  # KV tokens per rank its own tokens may take
     t0: float = field(default_factory=time.perf_counter)
-    warp: object = None
-    gen: torch.Generator | None = None
-
-    def sample(self, logits: torch.Tensor) -> int:
-        if self.warp is None:
-            return int(logits.argmax())
-        none = torch.zeros(1, 0, dtype=torch.int64, device=logits.device)
-        probs = torch.softmax(self.warp(none, logits[None].float()), -1)  # temperature, top-p: no history needed
-        return int(torch.multinomial(probs, 1, generator=self.gen))
+    sampler: Sampler | None = None
 
     def take(self, tok: int) -> None:
         """Append a sampled token; decide whether the request ends; send what text may go."""
@@ -121,7 +114,8 @@ class Scheduler:
         for q, sess in r.prefixes.items():
             if q in self.dropping:
                 continue
-            k = min(sess.common_prefix(torch.tensor(ids)), L - 1)  # the last prompt token runs: its logits start the answer
+            # the last prompt token runs: its logits start the answer
+            k = min(sess.common_prefix(torch.tensor(ids)), L - 1)
             if k > keep:
                 pid, keep = q, k
         if pid is not None and L - keep > keep:  # it would add more than it reuses: a prefix of its own
@@ -156,12 +150,9 @@ class Scheduler:
             self.used[pid] = self.clock
         step = e.join_step
         job.todo += [("join", ids[a : a + step]) for a in range(keep, L, step)]
-        if req.temperature > 0:
-            from ..hf.generate import _processors
-
-            job.warp = _processors(req.temperature, None, req.top_p, None, None, r.device)
         seed = req.seed if req.seed is not None else random.getrandbits(62)
-        job.gen = torch.Generator(device=r.device).manual_seed(seed)
+        job.sampler = Sampler(req.temperature > 0, temperature=req.temperature, top_p=req.top_p, seed=seed,
+                              device=r.device)  # fmt: skip  # temperature 0: greedy, as in OpenAI's API
         self.jobs.append(job)
         st = e.stats
         st["requests"] += 1
@@ -219,7 +210,7 @@ class Scheduler:
 
     def _take(self, j: Job, logits) -> None:
         try:
-            j.take(j.sample(logits))
+            j.take(j.sampler.next(logits))
         except Exception as err:  # rank 0 alone raised (sampling, detokenizing, emit): end this request
             j.finish = "error"
             j.req.emit("error", (500, f"{type(err).__name__}: {err}"))

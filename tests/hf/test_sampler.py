@@ -1,0 +1,38 @@
+"""The one next-token rule (generate, speculative decoding, the server): greedy is the first
+argmax; sampling draws from transformers' warped distribution, reproducibly per seed."""
+
+import pytest
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from treeattn.hf.sampler import Sampler
+
+
+def test_greedy_sampling_and_warpers():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=g, dtype=torch.float64)
+    logits[1, 7] = logits[1, 9] = logits[1].max() + 1  # a tie: the first index wins, as torch's argmax
+    s = Sampler()
+    assert s.pick(logits).tolist() == logits.argmax(-1).tolist() and s.pick(logits)[1] == 7
+    assert s.next(logits[1]) == 7
+    # the distribution is transformers' warpers in generate's order, in float32
+    kw = dict(temperature=0.7, top_k=20, top_p=0.8)
+    ref = torch.softmax(TopPLogitsWarper(0.8)(None, TopKLogitsWarper(20)(None, TemperatureLogitsWarper(0.7)(
+        None, logits.float()))), -1)  # fmt: skip
+    p = Sampler(True, **kw).probs(logits)
+    assert p.dtype == torch.float32 and torch.allclose(p, ref) and torch.allclose(p.sum(-1), torch.ones(3))
+    assert torch.equal(Sampler(True, **kw).probs(logits[2]), p[2])
+    assert int((p[0] > 0).sum()) <= 20  # top-k cut
+    # draws: the same seed gives the same tokens, another seed others; only tokens the warpers keep
+    a = [Sampler(True, **kw, seed=5).pick(logits).tolist() for _ in range(2)]
+    runs = {tuple(Sampler(True, **kw, seed=sd).pick(logits).tolist()) for sd in range(20)}
+    assert a[0] == a[1] and len(runs) > 1
+    for run in runs:
+        assert all(p[i, t] > 0 for i, t in enumerate(run))
+    one = Sampler(True, top_k=1, seed=3)
+    assert [one.next(logits[0]) for _ in range(5)] == [int(logits[0].argmax())] * 5
+    s = Sampler(True, seed=1)
+    d = s.draws(torch.tensor([0.0, 0.5, 0.5]), 64)
+    assert len(d) == 64 and set(d) == {1, 2} and 0 <= s.rand() < 1
+    with pytest.raises(ValueError):
+        Sampler(True, temperature=-1.0)
