@@ -3,7 +3,8 @@ tiny float64 models at p = 1, 2, 3, both placements, Tree and Ring, with sliding
 softcaps. After every forward each row's logits equal single-process transformers run fresh
 on its whole sequence (the prefix part it reads, then its own tokens), and every rank holds
 exactly the row tokens its placement gives it, with the K/V transformers computes; a prefix
-that adopts a finished row is checked the same way."""
+that adopts a finished row is checked the same way. Rows verify drafts too: logits at every
+token of their line, then the rejected tokens trimmed."""
 
 import random
 
@@ -79,7 +80,9 @@ def run_case(kind: str, placement: str, attention: str, seed: int, steps: int, c
                     ref.keep([r["seq"][r["keep"] :]])
                 if ref is not None:
                     check_shards(runner.prefixes[r["pid"]], ref, f"{what}: prefix {r['pid']} after row {row} left")
-        lines = [(row, [rng.randrange(V)]) for row in rows]  # every running row decodes a token
+        # every running row decodes a token, or verifies it with a draft (logits at every token)
+        lines = [(row, [rng.randrange(V) for _ in range(rng.choice([1, 1, 2, 4]))]) for row in rows]
+        full = [row for row, ids in lines if len(ids) > 1]
         for row in [r for r in range(4) if r not in rows]:  # rows join: a prefix (or none), a keep, a chunk
             if rng.random() < (0.8 if not rows else 0.3):
                 pid = rng.choice([0, 0, 1, None])
@@ -95,14 +98,23 @@ def run_case(kind: str, placement: str, attention: str, seed: int, steps: int, c
         if not lines:
             continue
         rng.shuffle(lines)
-        out = runner.run(lines)
-        for i, (row, ids) in enumerate(lines):
+        out, i = runner.run(lines, full), 0
+        for row, ids in lines:
             r = rows[row]
+            n0 = len(r["seq"])
             r["seq"] += ids
             r["owner"] += owners_after(r["pre"] + r["owner"], len(ids), placement, p, r["blk"])
-            e = (out[i] - refs[0].logits(r["seq"])).abs().max().item()
-            assert e <= refs[0].tol, f"{what}: row {row} (prefix {r['pid']}, keep {r['keep']}, {len(ids)} new): off by {e:.3g}"
+            for j in range(len(ids)) if row in full else [len(ids) - 1]:
+                e = (out[i] - refs[0].logits(r["seq"][: n0 + j + 1])).abs().max().item()
+                assert e <= refs[0].tol, f"{what}: row {row} (prefix {r['pid']}, keep {r['keep']}, token {j} of {len(ids)}): off by {e:.3g}"  # fmt: skip
+                i += 1
             check_row(runner, row, r["seq"], r["keep"], r["owner"], refs[0], what)
+            if row in full and rng.random() < 0.7:  # a rejected draft: its tokens go
+                n = n0 + rng.randrange(1, len(ids))
+                runner.trim(row, n - r["keep"])
+                r["seq"], r["owner"] = r["seq"][:n], r["owner"][: n - r["keep"]]
+                check_row(runner, row, r["seq"], r["keep"], r["owner"], refs[0], f"{what} trimmed to {n}")
+        assert i == len(out), (i, out.shape)
 
 
 def batch_worker(seed0: int) -> None:

@@ -38,6 +38,7 @@ class RowCache:
         self.counts = torch.zeros(rows, p, dtype=torch.int64)  # tokens per rank of the whole sequence
         self.kv_len = torch.zeros(rows, dtype=torch.int64)  # own tokens on this rank
         self.positions = torch.zeros(rows, 0, dtype=torch.int64)  # global position of each local slot
+        self.owners: list[list[int]] = [[] for _ in range(rows)]  # the rank of each own token
         self._grow(16)
 
     def _grow(self, need: int) -> None:
@@ -69,6 +70,7 @@ class RowCache:
         self.start[row], self.n[row], self.kv_len[row] = start, 0, 0
         self.counts[row] = counts
         self.positions[row] = -1
+        self.owners[row] = []
 
     def close(self, row: int) -> None:
         """Forget row ``row``: its slots are free for the next sequence."""
@@ -76,6 +78,21 @@ class RowCache:
         self.start[row] = self.n[row] = self.kv_len[row] = 0
         self.counts[row] = 0
         self.positions[row] = -1
+        self.owners[row] = []
+
+    def truncate(self, row: int, n: int) -> None:
+        """Keep the first ``n`` own tokens of ``row`` (rejected draft tokens go): the row is
+        then as if the rest had never been placed."""
+        have = int(self.n[row])
+        if not 0 <= n <= have:
+            raise ValueError(f"row {row} holds {have} own tokens, cannot keep {n}")
+        gone = torch.tensor(self.owners[row][n:], dtype=torch.int64)
+        mine = int((gone == self.rank).sum())
+        self.counts[row] -= torch.bincount(gone, minlength=self.p)
+        self.kv_len[row] -= mine
+        self.positions[row, int(self.kv_len[row]) :] = -1
+        self.n[row] = n
+        del self.owners[row][n:]
 
     def place(self, rows: list[int], n: int) -> tuple[Tensor, Tensor, Tensor]:
         """Append ``n`` tokens to each of ``rows`` (each on the rank its placement gives,
@@ -93,6 +110,7 @@ class RowCache:
             self._grow(int(self.kv_len[r]) + len(mine))
             self.positions[r, slots] = pos + mine
             self.counts[r] += torch.bincount(own, minlength=self.p)
+            self.owners[r] += own.tolist()
             self.n[r] += n
             self.kv_len[r] += len(mine)
             out_i.append(torch.full((len(mine),), i, dtype=torch.int64))

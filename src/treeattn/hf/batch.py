@@ -117,13 +117,20 @@ class BatchRunner:
         """Global length of ``row``'s sequence (its prefix part included)."""
         return int(self.rows.start[row] + self.rows.n[row])
 
+    def trim(self, row: int, n: int) -> None:
+        """Keep the first ``n`` of ``row``'s own tokens (drop rejected draft tokens)."""
+        self.rows.truncate(row, n)
+        del self.row_ids[row][n:]
+
     @torch.no_grad()
-    def run(self, lines: list[tuple[int, list[int]]]) -> Tensor:
+    def run(self, lines: list[tuple[int, list[int]]], full: list[int] | tuple = ()) -> Tensor:
         """Run each line's tokens after what its row holds, all lines in one forward (a flat
-        sequence of every line's tokens), and append them to the rows. ``lines``: ``(row,
-        ids)`` pairs, each row at most once, one id for a decoding request or a chunk of a
-        joining one. Returns the float32 logits ``[len(lines), V]`` (float64 for a float64
-        model) at each line's last token."""
+        sequence of every line's tokens, each line causal in itself), and append them to the
+        rows. ``lines``: ``(row, ids)`` pairs, each row at most once: one id for a decoding
+        request, a chunk of a joining one, or a token and its draft to verify. Returns float32
+        logits (float64 for a float64 model), line after line in the callers' order: at every
+        token of the lines whose rows are in ``full``, at the last token of the others; ``[len(lines),
+        V]`` without ``full``."""
         rows = [r for r, _ in lines]
         if len(set(rows)) != len(rows) or not all(ids for _, ids in lines):
             raise ValueError("each line needs a distinct row and at least one token")
@@ -148,7 +155,9 @@ class BatchRunner:
         groups: dict[tuple[int, int], list[int]] = {}
         for (r, t), x in zip(lines, last, strict=True):
             if self.row_prefix[r] is not None:
-                groups.setdefault((self.row_prefix[r], int(self.rows.start[r])), []).extend(range(x - len(t) + 1, x + 1))
+                groups.setdefault((self.row_prefix[r], int(self.rows.start[r])), []).extend(
+                    range(x - len(t) + 1, x + 1)
+                )
         ctx = RowsStep(self.rows, shapes, pos, [
             PrefixGroup(self.prefixes[pid].cache, keep, torch.tensor(tok, device=self.device))
             for (pid, keep), tok in groups.items()
@@ -163,11 +172,14 @@ class BatchRunner:
             flat = s.idx[i, j].to(self.device)
             rid = torch.tensor(s.rows, dtype=torch.int64)[i].to(self.device)
             for layer, (k, v) in ctx.stash.items():
-                self.rows.store(layer, rid, slots.to(self.device), k[0, :, flat].transpose(0, 1), v[0, :, flat].transpose(0, 1))
+                self.rows.store(
+                    layer, rid, slots.to(self.device), k[0, :, flat].transpose(0, 1), v[0, :, flat].transpose(0, 1)
+                )
         for r, t in lines:
             self.row_ids[r].extend(t)
-        back = torch.tensor(order).argsort()  # the callers' order
-        return S.lm_logits(self.model, hidden[0, torch.tensor(last)[back].to(self.device)])
+        back = torch.tensor(order).argsort().tolist()  # the callers' order
+        want = [range(last[i] - len(lines[i][1]) + 1, last[i] + 1) if lines[i][0] in full else [last[i]] for i in back]
+        return S.lm_logits(self.model, hidden[0, torch.tensor([x for w in want for x in w]).to(self.device)])
 
     def _key(self, row: int) -> tuple[int, int]:
         pid = self.row_prefix[row]
@@ -183,6 +195,8 @@ class BatchRunner:
         bd = b.to(self.device)
         for layer in range(rc.L):
             m = int(rc.kv_len[row])
-            c.store_slots(layer, bd, sd, rc.k[layer][row, :, :m].transpose(0, 1), rc.v[layer][row, :, :m].transpose(0, 1))
+            c.store_slots(
+                layer, bd, sd, rc.k[layer][row, :, :m].transpose(0, 1), rc.v[layer][row, :, :m].transpose(0, 1)
+            )
         before = sess.history.lens.clone()
         sess.history.commit(torch.tensor([self.row_ids[row]]), before, torch.full_like(before, n))
