@@ -5,6 +5,7 @@ answers, what is reused, what is evicted), then the server over 2 ranks through 
 from __future__ import annotations
 
 import queue
+import random
 import re
 import signal
 import socket
@@ -58,10 +59,13 @@ def _ids_text(t: list[int]) -> str:
     return "".join(f"<{i}>" for i in t)
 
 
-def _run(engine: Engine, jobs: list[tuple]) -> list[dict]:
-    """Serve ``jobs`` (prompt ids, max_tokens[, decode]) in order on a single-process engine."""
+def _run(engine: Engine, jobs: list[tuple], **kw) -> list[dict]:
+    """Serve ``jobs`` (prompt ids, max_tokens[, decode[, Request keywords]]) in order on a
+    single-process engine; ``kw``: keywords of every Request."""
     q, stopping, results = queue.Queue(), threading.Event(), []
-    for ids, n, *decode in jobs:
+    for ids, n, *more in jobs:
+        decode = more[:1]
+        rkw = {"temperature": 0.0, **kw, **(more[1] if len(more) > 1 else {})}
         r = {"tokens": [], "text": ""}
         results.append(r)
 
@@ -74,7 +78,7 @@ def _run(engine: Engine, jobs: list[tuple]) -> list[dict]:
             else:
                 r["error"] = data
 
-        q.put(Request(ids, n, emit, decode=decode[0] if decode else _ids_text, temperature=0.0, eos=[2]))
+        q.put(Request(ids, n, emit, decode=decode[0] if decode and decode[0] else _ids_text, eos=[2], **rkw))
     t = threading.Thread(target=engine.serve, args=(q, stopping))
     t.start()
     while not q.empty() or any("finish_reason" not in r and "error" not in r for r in results):
@@ -127,6 +131,62 @@ def test_engine_without_prefix_cache():
     assert not engine.entries  # dropped once nobody reads it
     (c,) = _run(engine, [(ids, 4)])
     assert c["text"] == a["text"] and c["cached_tokens"] == 0 and not engine.entries
+
+
+def test_engine_speculation_changes_no_answer(monkeypatch):
+    """Speculation inside the batched step: concurrent requests (greedy, seeded sampling, a
+    stop string, short max_tokens) give exactly the answers of the same engine without it,
+    greedy ones those of ``model.generate``. A random model never quotes its prompt, so the
+    drafts come from an oracle that knows the plain answers and plants mistakes: drafts are
+    accepted whole, in part and not at all (their tokens trimmed from the rows), and usage
+    and the counters report them. Then real prompt lookup (with the cost model) on the same
+    requests: the same answers."""
+    from treeattn.serve.drafts import RowDrafts
+
+    model = _model()
+    g = torch.Generator().manual_seed(5)
+    jobs = []
+    for i in range(6):
+        base = torch.randint(3, 500, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
+        kw = {} if i % 2 == 0 else {"temperature": 0.9, "top_p": 0.95, "seed": 100 + i}
+        if i == 3:
+            kw["stop"] = [_ids_text(base[1:3])]
+        jobs.append((base * 3 + base[: i % 3], (24, 7, 16)[i % 3], None, kw))
+    kw = dict(prefill_chunk=8)
+    plain = _run(Engine(model, None, kw, cache_tokens=0, max_batch=4), jobs)
+    answers = {tuple(ids): _ids_of(r["text"]) for (ids, *_), r in zip(jobs, plain, strict=True)}
+    rng = random.Random(0)
+
+    def oracle(self, history, cap):
+        for ids, ans in answers.items():
+            if tuple(history[: len(ids)]) == ids:
+                d = ans[len(history) - len(ids) : len(history) - len(ids) + min(cap, self.k_max)]
+                if d and rng.random() < 0.5:  # a planted mistake
+                    d[rng.randrange(len(d))] = 1
+                return d, 3
+        raise AssertionError("a history no request has")
+
+    def check(spec, eng):
+        for (ids, n, _, kw), a, b in zip(jobs, plain, spec, strict=True):
+            got, want = (b["text"], b["finish_reason"], b["completion_tokens"]), (a["text"], a["finish_reason"],
+                                                                                   a["completion_tokens"])  # fmt: skip
+            assert got == want, kw
+            if not kw:
+                assert _ids_of(b["text"]) == [t for t in _reference(model, ids, n) if t != 2]
+        st = eng.stats
+        assert sum(r["drafted"][0] for r in spec) == st["draft_tokens_accepted"]
+        assert sum(r["drafted"][1] for r in spec) == st["draft_tokens_offered"] - st["draft_tokens_accepted"]
+        return st
+
+    with monkeypatch.context() as mp:
+        mp.setattr(RowDrafts, "candidate", oracle)
+        eng = Engine(model, None, kw, cache_tokens=0, max_batch=4, num_draft=4, fixed_draft=True)
+        st = check(_run(eng, jobs), eng)
+    assert 0 < st["draft_tokens_accepted"] < st["draft_tokens_offered"], st
+    assert st["mean_accepted_length"] > 1.5 and st["decode_tokens"] > st["decode_rows"], st
+    assert all(r["drafted"] is None for r in plain)
+    eng = Engine(model, None, kw, cache_tokens=64, max_batch=4, num_draft=4)
+    check(_run(eng, jobs), eng)
 
 
 class _Tok:
@@ -212,7 +272,8 @@ def test_job_checks_every_value_before_the_queue():
 @pytest.fixture(scope="module")
 def tiny_server():
     s = Server("--preset", MODEL, "--nproc", "2", "--api-key", "sekrit", "--max-queue", "4", "--cache-tokens", "64",
-               "--placement", "contiguous", "--prefill-chunk", "8", api_key="sekrit")  # fmt: skip
+               "--placement", "contiguous", "--prefill-chunk", "8", "--speculate", "prompt-lookup", "--fixed-draft",
+               api_key="sekrit")  # fmt: skip  (speculation across ranks: greedy answers stay model.generate's)
     yield s
     s.kill()
 
@@ -237,6 +298,8 @@ def test_tiny_server(tiny_server):
         ref = _reference(model, ids, n)
         assert _ids_of(body["choices"][0]["text"]) == [t for t in ref if t != 2]
         assert body["usage"]["completion_tokens"] == len(ref) and body["usage"]["prompt_tokens"] == L
+        assert set(body["usage"]["completion_tokens_details"]) == {"accepted_prediction_tokens",
+                                                                    "rejected_prediction_tokens"}  # fmt: skip
         ev = list(s.events("/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": n, "temperature": 0,
                                                "stream_options": {"include_usage": True}}))  # fmt: skip
         assert ev[-1] == "[DONE]" and ev[-2]["choices"] == [] and ev[-2]["usage"]["completion_tokens"] == len(ref)
@@ -256,6 +319,7 @@ def test_tiny_server(tiny_server):
     assert st == 400 and "no chat template" in body["error"]["message"]
     st, body = s.request("GET", "/health")
     assert body["status"] == "ok" and body["cache_tokens_per_rank"] <= 64, body
+    assert body["draft_tokens_offered"] > 0 and body["mean_accepted_length"] >= 1.0, body
 
 
 def _hostile() -> list[tuple[str, str, dict | bytes]]:

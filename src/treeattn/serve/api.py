@@ -326,8 +326,12 @@ async def _next(events: asyncio.Queue, job: Job, request: Request | None):
 
 def _usage(end: dict) -> dict:
     n, c = end["prompt_tokens"], end["completion_tokens"]
-    return {"prompt_tokens": n, "completion_tokens": c, "total_tokens": n + c,
-            "prompt_tokens_details": {"cached_tokens": end["cached_tokens"]}}  # fmt: skip
+    out = {"prompt_tokens": n, "completion_tokens": c, "total_tokens": n + c,
+           "prompt_tokens_details": {"cached_tokens": end["cached_tokens"]}}  # fmt: skip
+    if end.get("drafted") is not None:  # speculation: drafted tokens the model accepted and rejected
+        acc, rej = end["drafted"]
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": acc, "rejected_prediction_tokens": rej}
+    return out
 
 
 def _fail(status: int, msg: str) -> dict:

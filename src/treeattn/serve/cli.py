@@ -52,7 +52,8 @@ def worker(a: argparse.Namespace, model_dir: str | None, local: bool) -> None:
     if local:  # the launcher owns Ctrl-C: it stops every rank
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     model, tok = rank_model(a, model_dir)
-    engine = Engine(model, None, session_kwargs(a), a.cache_tokens, max_batch=a.max_batch)
+    engine = Engine(model, None, session_kwargs(a), a.cache_tokens, max_batch=a.max_batch,
+                    num_draft=a.num_draft_tokens if a.speculate else 0, fixed_draft=a.fixed_draft)  # fmt: skip
     if rank:
         engine.follow()
         return
@@ -80,7 +81,7 @@ def worker(a: argparse.Namespace, model_dir: str | None, local: bool) -> None:
             signal.signal(s, lambda *_: stopping.set())
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     say(f"treeattn serve: listening on {url} (model {state.model_name}, p={p}, {a.dtype}, attention {a.attention}, "
-        f"placement {a.placement}, batch {a.max_batch}, prefix cache {a.cache_tokens or 'off'}"
+        f"placement {a.placement}, batch {a.max_batch}{', speculate ' + a.speculate if a.speculate else ''}, prefix cache {a.cache_tokens or 'off'}"
         f"{' KV tokens per rank' if a.cache_tokens else ''}, queue {a.max_queue})")  # fmt: skip
     try:
         engine.serve(state.requests, stopping, on_failure=lambda why: setattr(state, "failed", why))
@@ -118,6 +119,14 @@ def add_parser(sub) -> None:
     )
     g.add_argument("--max-batch", type=at_least(1), default=8,
                    help="requests that run at once, batched into one forward per step (default 8; 1: one at a time)")  # fmt: skip
+    g.add_argument("--speculate", choices=["prompt-lookup"], default=None,
+                   help="speculative decoding inside the batched step: each request drafts from its own prompt and "
+                   "answer (a document it quotes), as deep as measured step costs and its acceptance make worth it; "
+                   "answers unchanged")  # fmt: skip
+    g.add_argument("--num-draft-tokens", type=at_least(1), default=5,
+                   help="with --speculate: the most tokens a request drafts per step (default 5)")  # fmt: skip
+    g.add_argument("--fixed-draft", action="store_true", help="with --speculate: every draft found, as deep as it "
+                   "goes (default: as deep as measured step costs and acceptance make worth it)")  # fmt: skip
     g.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 429 (default 64)")
     g.add_argument("--access-log", action="store_true", help="log every request (uvicorn's access log)")
     g.set_defaults(func=run)

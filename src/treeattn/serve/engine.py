@@ -50,14 +50,20 @@ class Engine:
         heartbeat: seconds between idle broadcasts (they keep the other ranks' collectives
             within their timeout and find a dead rank while nothing is asked).
         max_batch: requests that run at once; more wait in the queue.
+        num_draft: with speculation (prompt lookup), the most tokens a request drafts per step
+            (0: no speculation); see :mod:`treeattn.serve.drafts`. ``fixed_draft``: every
+            draft prompt lookup finds, as deep as it goes (default: as deep as measured step
+            costs and acceptance make worth it).
     """
 
     def __init__(self, model, group=None, session_kw: dict | None = None, cache_tokens: int = 32768,
-                 heartbeat: float = 1.0, max_batch: int = 8) -> None:  # fmt: skip
+                 heartbeat: float = 1.0, max_batch: int = 8, num_draft: int = 0,
+                 fixed_draft: bool = False) -> None:  # fmt: skip
         self.model, self.group, self.kw = model, group, dict(session_kw or {})
         self.vocab: int = model.config.vocab_size
         self.rank, self.p = world(group)
         self.cache_tokens, self.heartbeat, self.max_batch = cache_tokens, heartbeat, max_batch
+        self.num_draft, self.fixed_draft = num_draft, fixed_draft
         self.runner = BatchRunner(model, group, max_batch, **self.kw)
         self.sched = Scheduler(self)  # rank 0's; it outlives a serve() call, as the prefixes do
         chunk = self.kw.get("prefill_chunk", 1024)
@@ -65,7 +71,8 @@ class Engine:
         self.join_step = chunk or 1 << 62  # joining requests' own tokens per step (every rank runs them)
         self.stats = dict(requests=0, cancelled=0, prompt_tokens=0, cached_tokens=0, completion_tokens=0,
                           cache_entries=0, cache_tokens_per_rank=0, running=0, max_batch=max_batch, steps=0,
-                          decode_rows=0, plan_seconds=0.0, execute_seconds=0.0, sample_seconds=0.0,
+                          decode_rows=0, decode_tokens=0, mean_accepted_length=1.0, draft_tokens_offered=0,
+                          draft_tokens_accepted=0, plan_seconds=0.0, execute_seconds=0.0, sample_seconds=0.0,
                           kv_tokens_per_rank=0, peak_kv_tokens_per_rank=0, prefixes=[])  # fmt: skip
 
     @property
@@ -108,8 +115,10 @@ class Engine:
 
     # -- every rank --------------------------------------------------------------------
     def execute(self, p: Plan) -> torch.Tensor | None:
-        """Run one step; returns the logits ``[len(p.lines), V]`` at each line's last token."""
+        """Run one step; returns the logits of its lines (:meth:`BatchRunner.run`)."""
         r = self.runner
+        for row, n in p.trims:
+            r.trim(row, n)
         for row, adopt in p.closes:
             r.close(row, adopt=bool(adopt))
         for pid in p.drops:
@@ -118,10 +127,10 @@ class Engine:
             r.prefill(*p.prefix)
         if not p.lines:
             return None
-        for row, opening, pid, keep, _ in p.lines:
+        for row, opening, pid, keep, _, _ in p.lines:
             if opening:
                 r.open(row, None if pid < 0 else pid, keep)
-        return r.run([(row, ids) for row, _, _, _, ids in p.lines])
+        return r.run([(x[0], x[-1]) for x in p.lines], [x[0] for x in p.lines if x[4]])
 
     def _send(self, t: torch.Tensor) -> torch.Tensor:
         try:
@@ -166,7 +175,7 @@ class Engine:
                 t1 = time.perf_counter()
                 logits = self._run(plan)
                 t2 = time.perf_counter()
-                sched.after(plan, logits)
+                sched.after(plan, logits, t2 - t1)
                 self._account(sched, plan, (t1 - t0, t2 - t1, time.perf_counter() - t2))
         except (RankFailure, CollectiveError, dist.DistError) as e:
             why = str(e).splitlines()[0]
@@ -187,7 +196,7 @@ class Engine:
         st["steps"] += 1
         for k, t in zip(("plan_seconds", "execute_seconds", "sample_seconds"), times, strict=True):
             st[k] += t
-        st["decode_rows"] += sum(len(x[-1]) == 1 and not x[1] for x in plan.lines)
+        st["mean_accepted_length"] = st["decode_tokens"] / st["decode_rows"] if st["decode_rows"] else 1.0
         readers: dict[int, int] = {}
         for j in sched.jobs:
             if j.pid is not None:

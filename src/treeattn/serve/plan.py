@@ -8,24 +8,27 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Plan:
-    """In execution order: ``closes`` (row, adopt), ``drops`` (prefix ids), ``prefix`` (pid,
-    ids: a chunk of a new prefix, prefilled by its Session) or None, then ``lines`` (row,
-    open, pid or -1, keep, ids), run together in one forward: one token of a decoding request,
-    or a chunk of a joining request's own prompt (``open``: its row starts here, after the
-    first ``keep`` tokens of prefix ``pid``)."""
+    """In execution order: ``trims`` (row, own tokens to keep: a rejected draft's go),
+    ``closes`` (row, adopt), ``drops`` (prefix ids), ``prefix`` (pid, ids: a chunk of a new
+    prefix, prefilled by its Session) or None, then ``lines`` (row, open, pid or -1, keep,
+    full, ids), run together in one forward: one token of a decoding request, a token and the
+    draft that follows it (``full``: logits at every token), or a chunk of a joining request's
+    own prompt (``open``: its row starts here, after the first ``keep`` tokens of prefix
+    ``pid``)."""
 
+    trims: list[tuple[int, int]] = field(default_factory=list)
     closes: list[tuple[int, int]] = field(default_factory=list)
     drops: list[int] = field(default_factory=list)
     prefix: tuple[int, list[int]] | None = None
-    lines: list[tuple[int, int, int, int, list[int]]] = field(default_factory=list)
+    lines: list[tuple[int, int, int, int, int, list[int]]] = field(default_factory=list)
     jobs: list = field(default_factory=list)  # rank 0 only: the job of each line
     builder: object = None  # rank 0 only: the job whose prefix chunk this is
 
     def empty(self) -> bool:
-        return not (self.closes or self.drops or self.prefix or self.lines)
+        return not (self.trims or self.closes or self.drops or self.prefix or self.lines)
 
     def encode(self) -> list[int]:
-        out = [len(self.closes)] + [x for c in self.closes for x in c] + [len(self.drops)] + list(self.drops)
+        out = [len(self.trims)] + [x for t in self.trims for x in t] + [len(self.closes)] + [x for c in self.closes for x in c] + [len(self.drops)] + list(self.drops)
         out += [0] if self.prefix is None else [1, self.prefix[0], len(self.prefix[1]), *self.prefix[1]]
         out.append(len(self.lines))
         for *head, ids in self.lines:
@@ -44,6 +47,8 @@ class Plan:
             return v[i - n : i]
 
         (n,) = take(1)
+        p.trims = [tuple(take(2)) for _ in range(n)]
+        (n,) = take(1)
         p.closes = [tuple(take(2)) for _ in range(n)]
         (n,) = take(1)
         p.drops = take(n)
@@ -52,8 +57,8 @@ class Plan:
             p.prefix = (pid, take(n))
         (n,) = take(1)
         for _ in range(n):
-            row, opening, pid, keep, m = take(5)
-            p.lines.append((row, opening, pid, keep, take(m)))
+            row, opening, pid, keep, full, m = take(6)
+            p.lines.append((row, opening, pid, keep, full, take(m)))
         if i != len(v):
             raise ValueError(f"a step plan of {len(v)} values has {len(v) - i} left over")
         return p

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..hf.sampler import Sampler
+from .drafts import BatchDrafts, RowDrafts, verify
 from .plan import Plan
 from .request import BadRequest, Request, first_stop, safe_prefix
 
@@ -44,6 +45,9 @@ class Job:
     reserve: int = 0  # KV tokens per rank its own tokens may take
     t0: float = field(default_factory=time.perf_counter)
     sampler: Sampler | None = None
+    drafts: RowDrafts | None = None  # with speculation
+    draft: list[int] = field(default_factory=list)  # drafted after ``last`` in the running step
+    kind: int = 0  # the n-gram length that draft matched
 
     def take(self, tok: int) -> None:
         """Append a sampled token; decide whether the request ends; send what text may go."""
@@ -77,7 +81,9 @@ class Scheduler:
         self.jobs: list[Job] = []
         self.held: Request | None = None  # admitted next, once it fits
         self.free = list(range(engine.max_batch))
+        self.trimming: list[tuple[int, int]] = []  # (row, own tokens kept) for the next plan
         self.closing: list[tuple[int, int]] = []  # (row, adopt) for the next plan
+        self.batch_drafts = BatchDrafts(engine.fixed_draft)
         self.dropping: list[int] = []
         self.building: dict[int, int] = {}  # prefix being prefilled -> its KV tokens per rank when done
         self.used: dict[int, int] = {}  # prefix -> last use (a clock of admissions)
@@ -139,6 +145,8 @@ class Scheduler:
         self.clock += 1
         row = self.free.pop(0)
         job = Job(req, row, pid, keep, keep, reserve=reserve)
+        if e.num_draft:
+            job.drafts = RowDrafts(e.num_draft)
         if new:
             pid = job.pid = self.next_pid
             self.next_pid += 1
@@ -176,44 +184,83 @@ class Scheduler:
             if j.finish is None and j.req.cancelled.is_set():
                 j.finish = "cancelled"
                 self._end(j)
-        p = Plan(closes=self.closing, drops=self.dropping)
-        self.closing, self.dropping = [], []
+        p = Plan(trims=self.trimming, closes=self.closing, drops=self.dropping)
+        self.trimming, self.closing, self.dropping = [], [], []
         budget = self.e.join_step
+        self._drafts()
         for j in self.jobs:
-            if not j.todo:  # decoding
-                p.lines.append((j.row, 0, -1, 0, [j.last]))
+            if not j.todo:  # decoding, with the draft it verifies
+                p.lines.append((j.row, 0, -1, 0, int(bool(j.draft)), [j.last, *j.draft]))
                 p.jobs.append(j)
             elif j.todo[0][0] == "prefix":
                 if p.prefix is None:
                     p.prefix, p.builder = (j.todo[0][1], j.todo[0][2]), j
             elif budget > 0:  # a chunk of a joining request's own prompt; the first always fits
                 ids = j.todo[0][1]
-                p.lines.append((j.row, int(not j.opened), -1 if j.pid is None else j.pid, j.keep, ids))
+                p.lines.append((j.row, int(not j.opened), -1 if j.pid is None else j.pid, j.keep, 0, ids))
                 p.jobs.append(j)
                 j.opened = True
                 budget -= len(ids)
         return None if p.empty() else p
 
-    def after(self, p: Plan, logits) -> None:
-        """Sample what the step produced; end the requests that finish."""
+    def _drafts(self) -> None:
+        """Each decoding request's draft for this step (none without speculation)."""
+        dec = [j for j in self.jobs if not j.todo]
+        for j in dec:
+            j.draft = []
+        cands = []
+        for j in (j for j in dec if j.drafts is not None):
+            draft, kind = j.drafts.candidate(j.req.ids + j.out, j.req.max_tokens - len(j.out) - 1)
+            if draft:
+                cands.append((j, draft, kind))
+        depth = self.batch_drafts.choose(len(dec), [(j.drafts, d, k) for j, d, k in cands])
+        for (j, draft, kind), d in zip(cands, depth, strict=True):
+            j.draft, j.kind = draft[:d], kind
+
+    def after(self, p: Plan, logits, seconds: float = 0.0) -> None:
+        """Sample what the step produced; end the requests that finish. ``seconds``: what the
+        step took (the drafting's cost model learns from decode-only steps)."""
         j = p.builder
         if j is not None:
             pid = j.todo.pop(0)[1]
             if not any(x[0] == "prefix" for x in j.todo):
                 self.building.pop(pid, None)
-        for i, j in enumerate(p.jobs):
-            if j.todo:  # a join chunk
+        elif p.lines and all(not j.todo for j in p.jobs):
+            self.batch_drafts.observe_step(sum(len(x[-1]) for x in p.lines), seconds)
+        at = 0
+        for line, j in zip(p.lines, p.jobs, strict=True):
+            n = len(line[-1]) if line[4] else 1
+            lg, at = logits[at : at + n], at + n
+            joined = bool(j.todo)
+            if joined:  # a join chunk
                 j.todo.pop(0)
                 if j.todo:
                     continue
-            self._take(j, logits[i])
+            self._take(j, lg, not joined)
 
-    def _take(self, j: Job, logits) -> None:
+    def _take(self, j: Job, logits, decoding: bool = True) -> None:
+        """Emit what a decoding line gives (one token, or the accepted part of its draft and
+        the next); a rejected draft's tokens leave its row at the next step."""
+        draft, st = j.draft, self.e.stats
+        j.draft = []
+        st["decode_rows"] += decoding
         try:
-            j.take(j.sampler.next(logits))
+            toks = verify(logits, draft, j.sampler.next)
+            if draft:
+                j.drafts.observe(j.kind, len(draft), len(toks) - 1)
+                st["draft_tokens_offered"] += len(draft)
+                st["draft_tokens_accepted"] += len(toks) - 1
+            for t in toks:
+                j.take(t)
+                st["decode_tokens"] += decoding
+                if j.finish is not None:
+                    break
         except Exception as err:  # rank 0 alone raised (sampling, detokenizing, emit): end this request
             j.finish = "error"
             j.req.emit("error", (500, f"{type(err).__name__}: {err}"))
+        own = len(j.req.ids) - j.keep + len(j.out) - 1  # the row holds the prompt and answer but the pending token
+        if draft and j.finish != "error" and int(self.r.rows.n[j.row]) != own:
+            self.trimming.append((j.row, own))
         if j.finish is not None:
             self._end(j)
 
@@ -233,8 +280,10 @@ class Scheduler:
         if j.finish == "cancelled":
             st["cancelled"] += 1
         if j.finish != "error":
+            d = j.drafts
             j.req.emit("end", {"finish_reason": j.finish, "completion_tokens": len(j.out), "prompt_tokens": len(j.req.ids),
-                               "cached_tokens": j.cached, "seconds": time.perf_counter() - j.t0})  # fmt: skip
+                               "cached_tokens": j.cached, "seconds": time.perf_counter() - j.t0,
+                               "drafted": None if d is None else (d.accepted, d.offered - d.accepted)})  # fmt: skip
 
     def fail(self, status: int, message: str) -> None:
         """Every running and held request gets an error (a rank failed, or the server stops)."""
