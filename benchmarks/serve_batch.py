@@ -7,7 +7,8 @@ idle server, the document cached), then 1, 2, 4 and 8 concurrent clients each as
 different question (tokens/s in all, per-stream ms/token, answers against their answers
 alone), then a late joiner (the 8th question asked once 7 others stream: its time to first
 token), peak memory per rank (VmHWM of each rank process) and the peak KV tokens per rank
-(``/health``). Then, in one process group, where a batched decode step's time goes per rank
+(``/health``). Then 4 clients asking questions whose answers quote the document, on the
+batched server with and without ``--speculate prompt-lookup``. Then, in one process group, where a batched decode step's time goes per rank
 with 1, 2, 4 and 8 rows reading the document: linear layers (weights), the shared-prefix
 attention, the rows' own attention, the reduction, the rest. Not a test: it prints what it
 measured.
@@ -39,6 +40,13 @@ QUESTIONS = (
     "\n\nIn one sentence: who may change the text of this license?",
     "\n\nIn one sentence: what is the source code of a work?",
     "\n\nIn one sentence: does the license cover running the program?",
+)
+
+QUOTES = (  # answers that quote the document (SmolLM2-135M quotes the paragraph nearest the question)
+    "\n\nCopy the last paragraph above exactly.",
+    "\n\nCopy the last paragraph above exactly, word for word.",
+    "\n\nReproduce the last paragraph above exactly.",
+    "\n\nCopy the final paragraph above exactly.",
 )
 
 
@@ -177,6 +185,37 @@ def serve_runs(a, gguf: str, doc: str) -> None:
               f"peak KV tokens per rank {kv:,}; prefixes at the end {pre}")  # fmt: skip
 
 
+def speculate_runs(a, gguf: str, doc: str) -> None:
+    """4 concurrent clients asking quoting questions: the batched server with and without
+    ``--speculate prompt-lookup`` (each question alone first, then all four at once, twice)."""
+    import openai
+
+    texts = [doc + q for q in QUOTES]
+    rows = {}
+    for label, extra in (("plain", ()), ("prompt lookup", ("--speculate", "prompt-lookup"))):
+        s = Server(gguf, a.nproc, "--max-batch", "8", *extra)
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="-", max_retries=0, timeout=3600)
+        ask(client, s.name, texts[0], 2)  # the document is prefilled once, then cached
+        alone = [ask(client, s.name, t, a.quote_tokens) for t in texts]
+        runs = [together(client, s.name, texts, a.quote_tokens) for _ in range(2)]
+        h = s.health()
+        s.close()
+        rates = [sum(g["tokens"] for g in got) / wall for got, wall in runs]
+        same = sum(g["text"] == x["text"] for got, _ in runs for g, x in zip(got, alone, strict=True))
+        rows[label] = (rates, same, [x["text"] for x in alone], h)
+    print(f"\n{a.doc}, p={a.nproc}, 4 clients, 4 quoting questions, {a.quote_tokens} new tokens at most, greedy, "
+          "--max-batch 8\n")  # fmt: skip
+    print("| server | tokens/s, run 1 | tokens/s, run 2 | answers same as alone | mean tokens per decode row-step "
+          "| drafted tokens accepted / offered |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for label, (rates, same, _, h) in rows.items():
+        print(f"| {label} | {rates[0]:.1f} | {rates[1]:.1f} | {same}/8 | {h['mean_accepted_length']:.2f} | "
+              f"{h['draft_tokens_accepted']:,} / {h['draft_tokens_offered']:,} |")  # fmt: skip
+    r0, r1 = rows["plain"][0], rows["prompt lookup"][0]
+    print(f"\nprompt lookup / plain, tokens/s: {r1[0] / r0[0]:.2f}x, {r1[1] / r0[1]:.2f}x; answers alone identical "
+          f"with and without: {sum(x == y for x, y in zip(rows['plain'][2], rows['prompt lookup'][2], strict=True))}/4")  # fmt: skip
+
+
 def breakdown_worker(model_dir: str, prompts: list[list[int]], steps: int) -> None:
     """Where a batched decode step's time goes per rank, rows reading one shared prefix."""
     import torch
@@ -250,13 +289,16 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--steps", type=int, default=16, help="decode steps per row count in the breakdown")
-    ap.add_argument("--only", choices=["serve", "breakdown"], help="run one part")
+    ap.add_argument("--quote-tokens", type=int, default=64, help="new tokens at most of the quoting answers")
+    ap.add_argument("--only", choices=["serve", "breakdown", "speculate"], help="run one part")
     a = ap.parse_args()
     gguf = smollm2_gguf()
     doc = Path(a.doc).read_text()
-    if a.only != "breakdown":
+    if a.only in (None, "serve"):
         serve_runs(a, str(gguf), doc)
-    if a.only != "serve":
+    if a.only in (None, "speculate"):
+        speculate_runs(a, str(gguf), doc)
+    if a.only in (None, "breakdown"):
         from transformers import AutoTokenizer
 
         from treeattn.hf.models import resolve_model

@@ -17,7 +17,8 @@ step's share); rows are taken best evidence first, and a row drafts ``d`` tokens
 batch's expected tokens per second rise by :data:`~treeattn.hf._draft_policy.MARGIN`. The
 acceptance of each request is tracked per n-gram length of its matches
 (:class:`~treeattn.hf._draft_policy.DraftPolicy`'s counts: sceptical of 1-gram matches, recent
-steps weighing most); a request that stopped drafting gets a one-token probe now and then.
+steps weighing most), starting from what the server's earlier drafts did; a request that
+stopped drafting gets a one-token probe now and then.
 """
 
 from __future__ import annotations
@@ -29,10 +30,14 @@ from ..hf.speculative import PromptLookup
 
 
 class RowDrafts:
-    """One request's drafting: its acceptance by evidence, and what it was offered and kept."""
+    """One request's drafting: its acceptance by evidence, and what it was offered and kept.
+    ``pool``: the server's acceptance so far, which a new request starts from (what earlier
+    requests' drafts did is the best prior of what this one's will do)."""
 
-    def __init__(self, k_max: int) -> None:
-        self.policy = DraftPolicy(k_max)
+    def __init__(self, k_max: int, pool: DraftPolicy | None = None) -> None:
+        self.policy, self.pool = DraftPolicy(k_max), pool
+        if pool is not None:
+            self.policy.counts = {kind: list(c) for kind, c in pool.counts.items()}
         self.lookup = PromptLookup()
         self.k_max = k_max
         self.idle = 0  # steps since it last drafted
@@ -51,6 +56,8 @@ class RowDrafts:
 
     def observe(self, kind: int, offered: int, accepted: int) -> None:
         self.policy.observe_acceptance(kind, offered, accepted)
+        if self.pool is not None:
+            self.pool.observe_acceptance(kind, offered, accepted)
         self.offered += offered
         self.accepted += accepted
         self.verified += 1
@@ -63,6 +70,7 @@ class BatchDrafts:
     def __init__(self, fixed: bool = False) -> None:
         self.cost: dict[int, float] = {}  # tokens in a decode-only step -> EMA seconds
         self.fixed = fixed
+        self.pool = DraftPolicy(1)  # acceptance by evidence over every request (its counts only)
 
     def observe_step(self, n: int, seconds: float) -> None:
         old = self.cost.get(n)

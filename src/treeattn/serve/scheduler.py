@@ -146,7 +146,7 @@ class Scheduler:
         row = self.free.pop(0)
         job = Job(req, row, pid, keep, keep, reserve=reserve)
         if e.num_draft:
-            job.drafts = RowDrafts(e.num_draft)
+            job.drafts = RowDrafts(e.num_draft, self.batch_drafts.pool)
         if new:
             pid = job.pid = self.next_pid
             self.next_pid += 1
