@@ -187,33 +187,42 @@ def serve_runs(a, gguf: str, doc: str) -> None:
 
 def speculate_runs(a, gguf: str, doc: str) -> None:
     """4 concurrent clients asking quoting questions: the batched server with and without
-    ``--speculate prompt-lookup`` (each question alone first, then all four at once, twice)."""
+    ``--speculate prompt-lookup``, both up at once (the idle one only sends heartbeats) and
+    taking turns, round after round, so that the machine's drift falls on both alike."""
     import openai
 
     texts = [doc + q for q in QUOTES]
-    rows = {}
-    for label, extra in (("plain", ()), ("prompt lookup", ("--speculate", "prompt-lookup"))):
-        s = Server(gguf, a.nproc, "--max-batch", "8", *extra)
-        client = openai.OpenAI(base_url=s.url + "/v1", api_key="-", max_retries=0, timeout=3600)
-        ask(client, s.name, texts[0], 2)  # the document is prefilled once, then cached
-        alone = [ask(client, s.name, t, a.quote_tokens) for t in texts]
-        runs = [together(client, s.name, texts, a.quote_tokens) for _ in range(2)]
-        h = s.health()
+    labels = {"plain": (), "prompt lookup": ("--speculate", "prompt-lookup")}
+    servers, clients, alone, rates, same = {}, {}, {}, {k: [] for k in labels}, dict.fromkeys(labels, 0)
+    for label, extra in labels.items():
+        s = servers[label] = Server(gguf, a.nproc, "--max-batch", "8", *extra)
+        c = clients[label] = openai.OpenAI(base_url=s.url + "/v1", api_key="-", max_retries=0, timeout=3600)
+        ask(c, s.name, texts[0], 2)  # the document is prefilled once, then cached
+        alone[label] = [ask(c, s.name, t, a.quote_tokens) for t in texts]
+    for r in range(a.rounds):
+        for label in list(labels)[:: 1 if r % 2 == 0 else -1]:
+            got, wall = together(clients[label], servers[label].name, texts, a.quote_tokens)
+            rates[label].append(sum(g["tokens"] for g in got) / wall)
+            same[label] += sum(g["text"] == x["text"] for g, x in zip(got, alone[label], strict=True))
+    health = {label: s.health() for label, s in servers.items()}
+    for s in servers.values():
         s.close()
-        rates = [sum(g["tokens"] for g in got) / wall for got, wall in runs]
-        same = sum(g["text"] == x["text"] for got, _ in runs for g, x in zip(got, alone, strict=True))
-        rows[label] = (rates, same, [x["text"] for x in alone], h)
     print(f"\n{a.doc}, p={a.nproc}, 4 clients, 4 quoting questions, {a.quote_tokens} new tokens at most, greedy, "
-          "--max-batch 8\n")  # fmt: skip
-    print("| server | tokens/s, run 1 | tokens/s, run 2 | answers same as alone | mean tokens per decode row-step "
-          "| drafted tokens accepted / offered |")  # fmt: skip
+          f"--max-batch 8, {a.rounds} rounds taking turns\n")  # fmt: skip
+    print("| server | tokens/s per round | median | answers same as alone | mean tokens per decode row-step | "
+          "drafted tokens accepted / offered |")  # fmt: skip
     print("|---|---|---|---|---|---|")
-    for label, (rates, same, _, h) in rows.items():
-        print(f"| {label} | {rates[0]:.1f} | {rates[1]:.1f} | {same}/8 | {h['mean_accepted_length']:.2f} | "
-              f"{h['draft_tokens_accepted']:,} / {h['draft_tokens_offered']:,} |")  # fmt: skip
-    r0, r1 = rows["plain"][0], rows["prompt lookup"][0]
-    print(f"\nprompt lookup / plain, tokens/s: {r1[0] / r0[0]:.2f}x, {r1[1] / r0[1]:.2f}x; answers alone identical "
-          f"with and without: {sum(x == y for x, y in zip(rows['plain'][2], rows['prompt lookup'][2], strict=True))}/4")  # fmt: skip
+    for label in labels:
+        h = health[label]
+        print(f"| {label} | {', '.join(f'{x:.1f}' for x in rates[label])} | {median(rates[label]):.1f} | "
+              f"{same[label]}/{4 * a.rounds} | {h['mean_accepted_length']:.2f} | {h['draft_tokens_accepted']:,} / "
+              f"{h['draft_tokens_offered']:,} |")  # fmt: skip
+    ratios = [y / x for x, y in zip(rates["plain"], rates["prompt lookup"], strict=True)]
+    print("\ndecode-only step seconds by tokens in the step (EMA, as the speculating server measured them): "
+          + ", ".join(f"{n}: {t:.3f}" for n, t in health["prompt lookup"]["decode_step_seconds"].items()))  # fmt: skip
+    print(f"\nprompt lookup / plain, tokens/s, round by round: {', '.join(f'{x:.2f}x' for x in ratios)} (median "
+          f"{median(ratios):.2f}x); answers alone identical with and without: "
+          f"{sum(x['text'] == y['text'] for x, y in zip(alone['plain'], alone['prompt lookup'], strict=True))}/4")  # fmt: skip
 
 
 def breakdown_worker(model_dir: str, prompts: list[list[int]], steps: int) -> None:
@@ -290,6 +299,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--steps", type=int, default=16, help="decode steps per row count in the breakdown")
     ap.add_argument("--quote-tokens", type=int, default=64, help="new tokens at most of the quoting answers")
+    ap.add_argument("--rounds", type=int, default=4, help="turns of each server in the speculation part")
     ap.add_argument("--only", choices=["serve", "breakdown", "speculate"], help="run one part")
     a = ap.parse_args()
     gguf = smollm2_gguf()

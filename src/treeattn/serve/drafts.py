@@ -14,7 +14,7 @@ brings ``1 + a + ... + a^d`` tokens in expectation, and makes the whole step wid
 batch's step time by its token count ``N`` is measured as the server runs (decode-only steps;
 until a second width is measured each extra token is assumed to cost half a one-token
 step's share); rows are taken best evidence first, and a row drafts ``d`` tokens only if the
-batch's expected tokens per second rise by :data:`~treeattn.hf._draft_policy.MARGIN`. The
+batch's expected tokens per second rise by :data:`MARGIN`. The
 acceptance of each request is tracked per n-gram length of its matches
 (:class:`~treeattn.hf._draft_policy.DraftPolicy`'s counts: sceptical of 1-gram matches, recent
 steps weighing most), starting from what the server's earlier drafts did; a request that
@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import torch
 
-from ..hf._draft_policy import _BETA0, _PROBE, MARGIN, DraftPolicy
+from ..hf._draft_policy import _BETA0, _PROBE, DraftPolicy
 from ..hf.speculative import PromptLookup
+
+MARGIN = 0.1  # a draft must promise the batch 10 % more tokens per second: its acceptance is an optimistic guess
 
 
 class RowDrafts:
