@@ -159,9 +159,9 @@ class Engine:
         try:
             while True:
                 if stopping.is_set():
-                    if sched.closing or sched.dropping:  # rows that ended close first: the ranks end alike
-                        self._run(Plan(closes=sched.closing, drops=sched.dropping))
-                        sched.closing, sched.dropping = [], []
+                    if sched.trimming or sched.closing or sched.dropping:  # rows that ended close first
+                        self._run(Plan(trims=sched.trimming, closes=sched.closing, drops=sched.dropping))
+                        sched.trimming, sched.closing, sched.dropping = [], [], []
                     self._send(torch.tensor([STOP, 0]))
                     sched.fail(503, "the server is shutting down")
                     return

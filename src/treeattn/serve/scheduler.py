@@ -5,10 +5,11 @@ The scheduler admits a queued request when a row is free and no new prefix is be
 prefilled, chooses the cached prefix it reuses (the longest common prefix, when that keeps
 at least as much as the request adds; otherwise the prompt becomes a new prefix), evicts
 least recently used prefixes that no running request reads to stay within ``cache_tokens``
-per rank, and builds each step's plan: rows to close, prefixes to drop, at most one chunk of
-a new prefix, and the lines of one forward: a token for every decoding request and chunks of
-the joining requests' own prompts (up to ``prefill_chunk`` tokens in all, at least one
-chunk). Every rank (rank 0 included) then executes that plan
+per rank, and builds each step's plan: rejected draft tokens to trim, rows to close,
+prefixes to drop, at most one chunk of a new prefix, and the lines of one forward: a token
+for every decoding request (with speculation, followed by its draft:
+:mod:`treeattn.serve.drafts`) and chunks of the joining requests' own prompts (up to
+``prefill_chunk`` tokens in all, at least one chunk). Every rank (rank 0 included) then executes that plan
 (:meth:`treeattn.serve.engine.Engine.execute`).
 """
 
