@@ -8,6 +8,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 
 import torch
@@ -133,8 +134,9 @@ def run_ranks(cmd: str, a: argparse.Namespace, worker: Callable, prepare: Callab
     def stop(signum, frame):
         raise KeyboardInterrupt
 
-    for s in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a shell's background job inherits it ignored
-        signal.signal(s, stop)
+    before = {}
+    if threading.current_thread() is threading.main_thread():  # SIGINT too: a shell's background job
+        before = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}  # inherits it ignored
     try:
         job = prepare(a)
         if a.device == "cpu":  # build (or load) the decode kernel once, before the ranks start
@@ -152,4 +154,7 @@ def run_ranks(cmd: str, a: argparse.Namespace, worker: Callable, prepare: Callab
     except LaunchError as e:
         print(f"treeattn {cmd} failed: {e}", file=sys.stderr)
         return 1
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
     return 0
