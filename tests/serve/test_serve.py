@@ -195,6 +195,39 @@ def test_engine_speculation_changes_no_answer(monkeypatch):
     check(_run(eng, jobs), eng)
 
 
+def test_engine_joins_go_first():
+    """A step with join chunks leaves the decode rows out, unless they sat out the step before:
+    a joining question's first token does not wait for every running request's step, and no
+    running request waits two steps in a row while a long question joins chunk by chunk. The
+    answers stay those of ``model.generate``."""
+    model = _model()
+    g = torch.Generator().manual_seed(7)
+    doc = torch.randint(3, 500, (20,), generator=g).tolist()
+    eng = Engine(model, None, dict(prefill_chunk=4), cache_tokens=400, max_batch=4)
+    _run(eng, [(doc + [5], 2)])  # the document, cached
+    seen = []
+    plan = eng.sched.plan
+
+    def recording():
+        decoding = sorted(j.row for j in eng.sched.jobs if not j.todo)
+        p = plan()
+        if p is not None and p.lines:
+            seen.append((decoding, sorted(j.row for j in p.jobs if not j.todo), bool(any(j.todo for j in p.jobs))))
+        return p
+
+    eng.sched.plan = recording
+    jobs = [(doc + [7], 12), (doc + list(range(30, 40)), 10), (doc + [9, 9], 8), (doc + list(range(60, 73)), 6)]
+    for (ids, n), r in zip(jobs, _run(eng, jobs), strict=True):
+        assert _ids_of(r["text"]) == [t for t in _reference(model, ids, n) if t != 2]
+    held = False
+    for i, (decoding, ran, joins) in enumerate(seen):
+        held = joins and bool(decoding) and not held
+        assert ran == ([] if held else decoding), (i, seen)
+        if i:
+            assert not (set(decoding) & set(seen[i - 1][0])) - set(ran) - set(seen[i - 1][1]), (i, seen)
+    assert any(j and d and not r for d, r, j in seen) and any(j and r for d, r, j in seen), seen
+
+
 class _Tok:
     """A stand-in tokenizer: one id per character (``ord % 1000``), a chat template that
     refuses two user messages in a row."""

@@ -6,11 +6,18 @@ prefilled, chooses the cached prefix it reuses (the longest common prefix, when 
 at least as much as the request adds; otherwise the prompt becomes a new prefix), evicts
 least recently used prefixes that no running request reads to stay within ``cache_tokens``
 per rank, and builds each step's plan: rejected draft tokens to trim, rows to close,
-prefixes to drop, at most one chunk of a new prefix, and the lines of one forward: a token
-for every decoding request (with speculation, followed by its draft:
-:mod:`treeattn.serve.drafts`) and chunks of the joining requests' own prompts (up to
-``prefill_chunk`` tokens in all, at least one chunk). Every rank (rank 0 included) then executes that plan
+prefixes to drop, at most one chunk of a new prefix, and the lines of one forward: chunks of
+the joining requests' own prompts (up to ``prefill_chunk`` tokens in all, at least one chunk)
+and a token for every decoding request (with speculation, followed by its draft:
+:mod:`treeattn.serve.drafts`). Every rank (rank 0 included) then executes that plan
 (:meth:`treeattn.serve.engine.Engine.execute`).
+
+Joins go first: a step that runs join chunks leaves the decode rows out, unless they were
+left out of the step before, so a new question's first token comes after one step of its own
+(not after a step that also carries every running request), and the running requests never
+wait more than one step in a row, however long a joining prompt is. Measured with
+``benchmarks/serve_batch.py`` (docs/benchmarks.md §12.1): both kinds of step cost about what they
+cost together, so little throughput is lost.
 """
 
 from __future__ import annotations
@@ -89,6 +96,7 @@ class Scheduler:
         self.building: dict[int, int] = {}  # prefix being prefilled -> its KV tokens per rank when done
         self.used: dict[int, int] = {}  # prefix -> last use (a clock of admissions)
         self.next_pid, self.clock = 0, 0
+        self.held_back = False  # the last step left the decode rows out (for join chunks)
 
     # -- admission -------------------------------------------------------------------
     def admit(self, requests: queue.Queue, wait: float) -> None:
@@ -188,9 +196,16 @@ class Scheduler:
         p = Plan(trims=self.trimming, closes=self.closing, drops=self.dropping)
         self.trimming, self.closing, self.dropping = [], [], []
         budget = self.e.join_step
-        self._drafts()
+        joining = any(j.todo and j.todo[0][0] == "join" for j in self.jobs)
+        decoding = any(not j.todo for j in self.jobs)
+        # joins first: a step with join chunks leaves the decode rows out, unless they sat out the last step
+        self.held_back = hold = joining and decoding and not self.held_back
+        if not hold:
+            self._drafts()
         for j in self.jobs:
             if not j.todo:  # decoding, with the draft it verifies
+                if hold:
+                    continue
                 p.lines.append((j.row, 0, -1, 0, int(bool(j.draft)), [j.last, *j.draft]))
                 p.jobs.append(j)
             elif j.todo[0][0] == "prefix":

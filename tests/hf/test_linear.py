@@ -1,0 +1,84 @@
+"""Packed linear layers (treeattn.hf.linear): the same model within float32 rounding, a row's
+output independent of its batch, undone bitwise, and what the CLI's --linear flag does."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from torch import nn
+
+from treeattn.hf.linear import pack_linears, packing_available, unpack_linears
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="this PyTorch build has no oneDNN")
+
+
+def _llama(tied: bool, dtype=torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, tie_word_embeddings=tied)  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_packed_model_matches_and_unpacks_bitwise(tied):
+    m = _llama(tied)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    ids = torch.randint(0, 300, (3, 11))
+    with torch.no_grad():
+        ref = m(ids).logits
+    linears = sum(type(x) is nn.Linear for x in m.modules())
+    assert pack_linears(m) == linears == 2 * 7 + 1
+    assert pack_linears(m) == 0  # idempotent
+    assert m.model.layers[0].mlp.up_proj.weight.is_mkldnn
+    assert m.lm_head.weight.is_mkldnn is not tied  # a tied head stays the embeddings' dense weight
+    assert (m.lm_head.weight is m.model.embed_tokens.weight) is tied
+    with torch.no_grad():
+        got = m(ids).logits
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    # autograd (an input that requires grad) takes the dense path and flows
+    emb = m.model.embed_tokens(ids).detach().requires_grad_()
+    m(inputs_embeds=emb).logits.sum().backward()
+    assert emb.grad is not None and torch.isfinite(emb.grad).all()
+    assert unpack_linears(m) == linears
+    assert not any(p.is_mkldnn for p in m.parameters())
+    after = m.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    with torch.no_grad():
+        assert torch.equal(m(ids).logits, ref)
+
+
+def test_a_row_does_not_depend_on_its_batch():
+    """MKL's GEMM gives row 0 different bits at different batch sizes; the packed layer never."""
+    torch.manual_seed(1)
+    lin = nn.Linear(576, 1536)
+    x = torch.randn(40, 576)
+    with torch.no_grad():
+        plain = [lin(x[:m]) for m in range(1, 41)]
+        assert pack_linears(lin) == 1
+        alone = torch.cat([lin(x[i : i + 1]) for i in range(40)])
+        for m in range(1, 41):
+            assert torch.equal(lin(x[:m]), alone[:m]), m
+        torch.testing.assert_close(alone, plain[-1], rtol=1e-5, atol=1e-5)
+        assert torch.equal(lin(x[None, :7]), alone[None, :7])  # [B, T, in] inputs too
+
+
+def test_other_dtypes_and_devices_are_left_alone():
+    m = _llama(False, torch.float64)
+    assert pack_linears(m) == 0 and not any(p.is_mkldnn for p in m.parameters())
+    assert pack_linears(nn.Sequential(nn.Linear(4, 4).to(torch.bfloat16))) == 0
+    assert pack_linears(nn.Sequential(nn.Linear(4, 4, device="meta"))) == 0
+
+
+@pytest.mark.parametrize("flag,packed", [([], True), (["--linear", "torch"], False)])
+def test_cli_linear_flag(flag, packed):
+    from treeattn.model_cli import add_model_args, rank_model
+
+    ap = argparse.ArgumentParser()
+    add_model_args(ap)
+    a = ap.parse_args(["--preset", "tiny-llama", *flag])
+    model, _ = rank_model(a, None)
+    assert any(p.is_mkldnn for p in model.parameters()) is packed
