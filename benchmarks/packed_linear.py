@@ -50,11 +50,12 @@ def main() -> None:
         for m in (1, 8, 32):
             x, x2 = torch.randn(m, H), torch.randn(m, I)
             t = {k: [] for k in ("lp", "lk", "hp", "hk")}
+            calls = (("lp", run_layers, (plain_l, x, x2)), ("lk", run_layers, (packed_l, x, x2)),
+                     ("hp", head_p, (x,)), ("hk", head_k, (x,)))  # fmt: skip
             for _ in range(a.reps + 2):
-                for k, f in (("lp", lambda: run_layers(plain_l, x, x2)), ("lk", lambda: run_layers(packed_l, x, x2)),
-                             ("hp", lambda: head_p(x)), ("hk", lambda: head_k(x))):  # fmt: skip
+                for k, f, args in calls:
                     t0 = time.perf_counter()
-                    f()
+                    f(*args)
                     t[k].append(time.perf_counter() - t0)
             med = {k: sorted(v[2:])[len(v[2:]) // 2] * 1e3 for k, v in t.items()}
             print(f"| {m} | {med['lp']:.1f} | {med['lk']:.1f} | {med['lk'] / med['lp']:.2f}x | {med['hp']:.1f} | "

@@ -5,9 +5,9 @@ model), instead of MKL's GEMM over the plain weight at every call.
 Two things change, measured on this project's CPU (AMD EPYC, AVX-512, one thread; float32,
 SmolLM2-135M's 30 layers of linears plus its 49152 x 576 LM head; ``benchmarks/packed_linear.py``):
 
-- Speed. Rows per call 1 / 8 / 32: the layers 33 / 34 / 76 ms against 40 / 57 / 109 ms; the
-  LM head 8.6 / 8.9 / 21 ms against 11.4 / 21.6 / 39 ms. A batched decode step (8 rows) reads
-  its weights at the cost of one row.
+- Speed. Rows per call 1 / 8 / 32: the layers 35.8 / 37.9 / 80.5 ms against 41.1 / 59.4 /
+  110.4 ms; the LM head 7.7 / 8.5 / 20.0 ms against 11.4 / 21.2 / 36.2 ms. A decode step of 8
+  rows gets its linears at about the cost of one row.
 - Batch invariance. A row's output is bitwise the same whatever other rows share the call
   (MKL's GEMM picks its blocking by the number of rows, so there it is not). With packed
   linears, a request batched with others gets exactly the hidden states it gets alone.
