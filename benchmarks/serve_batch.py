@@ -9,7 +9,8 @@ alone), then a late joiner (the 8th question asked once 7 others stream: its tim
 token), peak memory per rank (VmHWM of each rank process) and the peak KV tokens per rank
 (``/health``). Then 4 clients asking questions whose answers quote the document, on the
 batched server with and without ``--speculate prompt-lookup``. Then, in one process group, where a batched decode step's time goes per rank
-with 1, 2, 4 and 8 rows reading the document: linear layers (weights), the shared-prefix
+with 1, 2, 4 and 8 rows reading the document, with the model's own nn.Linear and with packed
+linears (the CLI's default, :mod:`treeattn.hf.linear`): linear layers (weights), the shared-prefix
 attention, the rows' own attention, the reduction, the rest. Not a test: it prints what it
 measured.
 
@@ -232,6 +233,7 @@ def breakdown_worker(model_dir: str, prompts: list[list[int]], steps: int) -> No
 
     import treeattn.hf._cascade as cas
     from treeattn.hf.batch import BatchRunner
+    from treeattn.hf.linear import pack_linears
     from treeattn.hf.models import load_model
     from treeattn.ops._decode_cpu import kernel_available
 
@@ -252,7 +254,6 @@ def breakdown_worker(model_dir: str, prompts: list[list[int]], steps: int) -> No
 
         return wrap
 
-    torch.nn.Linear.forward = timed("linear", torch.nn.Linear.forward)
     cas.prefix_state = timed("prefix", cas.prefix_state)
     cas.row_state = timed("rows", cas.row_state)
     cas.reduce_states = timed("reduction", cas.reduce_states)
@@ -265,31 +266,39 @@ def breakdown_worker(model_dir: str, prompts: list[list[int]], steps: int) -> No
         r.open(row, 0, keep)
         last.append(int(r.run([(row, p[keep:])]).argmax()))
     rows_out = []
-    for n in (1, 2, 4, 8):
-        for k in acc:
-            acc[k] = 0.0
-        t = 0.0
-        for _ in range(steps):
-            on[0] = True
-            t0 = time.perf_counter()
-            logits = r.run([(i, [x]) for i, x in enumerate(last[:n])])
-            t += time.perf_counter() - t0
-            on[0] = False
-            last[:n] = logits.argmax(-1).tolist()
-        v = torch.tensor([t, acc["linear"], acc["prefix"], acc["rows"], acc["reduction"]]) / steps * 1e3
-        got = [torch.zeros_like(v) for _ in range(dist.get_world_size())]
-        dist.all_gather(got, v)
-        rows_out.append((n, got))
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    for variant in ("torch", "packed"):  # the model's own nn.Linear, then packed (the CLI's default)
+        for m in linears:
+            m.__dict__.pop("forward", None)  # the timing wrapper of the last variant
+        if variant == "packed":
+            pack_linears(model)
+        for m in linears:
+            m.forward = timed("linear", m.forward)
+        for n in (1, 2, 4, 8):
+            for k in acc:
+                acc[k] = 0.0
+            t = 0.0
+            for _ in range(steps):
+                on[0] = True
+                t0 = time.perf_counter()
+                logits = r.run([(i, [x]) for i, x in enumerate(last[:n])])
+                t += time.perf_counter() - t0
+                on[0] = False
+                last[:n] = logits.argmax(-1).tolist()
+            v = torch.tensor([t, acc["linear"], acc["prefix"], acc["rows"], acc["reduction"]]) / steps * 1e3
+            got = [torch.zeros_like(v) for _ in range(dist.get_world_size())]
+            dist.all_gather(got, v)
+            rows_out.append((variant, n, got))
     if dist.get_rank() == 0:
         print(f"\nwhere a batched decode step goes (ms per step, mean of {steps} steps; a {keep:,}-token shared prefix)\n")
-        print("| rows | rank | step | per token | linear layers (weights) | shared-prefix attention | rows' own attention "
-              "| reduction (incl. wait) | rest |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|---|---|")
-        for n, got in rows_out:
+        print("| linears | rows | rank | step | per token | linear layers (weights) | shared-prefix attention | "
+              "rows' own attention | reduction (incl. wait) | rest |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for variant, n, got in rows_out:
             for rk, x in enumerate(got):
                 tot, li, pre, own, red = x.tolist()
-                print(f"| {n} | {rk} | {tot:.1f} | {tot / n:.1f} | {li:.1f} | {pre:.1f} | {own:.1f} | {red:.1f} | "
-                      f"{tot - li - pre - own - red:.1f} |")  # fmt: skip
+                print(f"| {variant} | {n} | {rk} | {tot:.1f} | {tot / n:.1f} | {li:.1f} | {pre:.1f} | {own:.1f} | "
+                      f"{red:.1f} | {tot - li - pre - own - red:.1f} |")  # fmt: skip
 
 
 def main() -> None:

@@ -195,6 +195,28 @@ def test_engine_speculation_changes_no_answer(monkeypatch):
     check(_run(eng, jobs), eng)
 
 
+def test_engine_stop_ends_running_requests_and_frees_their_rows():
+    """Stopping mid-answer: the running request gets a 503, its row closes on the engine, and
+    a later serve() on the same engine starts clean and answers exactly."""
+    model = _model()
+    eng = Engine(model, None, dict(prefill_chunk=8), cache_tokens=200, max_batch=2)
+    q, stopping, events = queue.Queue(), threading.Event(), []
+    q.put(Request(list(range(3, 30)), 10_000, lambda k, d: events.append((k, d)), decode=_ids_text, eos=[],
+                  temperature=0.0))  # fmt: skip
+    t = threading.Thread(target=eng.serve, args=(q, stopping))
+    t.start()
+    while sum(k == "text" for k, _ in events) < 3:
+        time.sleep(0.01)
+    stopping.set()
+    t.join(10)
+    assert not t.is_alive() and events[-1] == ("error", (503, "the server is shutting down")), events[-3:]
+    assert not eng.sched.jobs and eng.sched.free == [0, 1] and not eng.sched.closing
+    assert all(p is None for p in eng.runner.rows.placement) and int(eng.runner.rows.n.sum()) == 0
+    ids = list(range(3, 30)) + [40, 41]
+    (r,) = _run(eng, [(ids, 6)])
+    assert _ids_of(r["text"]) == [t for t in _reference(model, ids, 6) if t != 2]
+
+
 def test_engine_joins_go_first():
     """A step with join chunks leaves the decode rows out, unless they sat out the step before:
     a joining question's first token does not wait for every running request's step, and no

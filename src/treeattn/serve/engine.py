@@ -152,18 +152,20 @@ class Engine:
     # -- rank 0 ----------------------------------------------------------------------
     def serve(self, requests: queue.Queue, stopping: threading.Event,
               on_failure: Callable[[str], None] | None = None) -> None:  # fmt: skip
-        """Rank 0: run requests from ``requests``, batched, until ``stopping`` is set. Raises
+        """Rank 0: run requests from ``requests``, batched, until ``stopping`` is set (the
+        running and held requests then get a 503 ``error`` event and their rows close on every
+        rank, so the engine may serve again). Raises
         :class:`RankFailure` when a collective fails, after calling ``on_failure(why)`` and
         giving every running request an ``error`` event with status 503."""
         sched = self.sched
         try:
             while True:
-                if stopping.is_set():
-                    if sched.trimming or sched.closing or sched.dropping:  # rows that ended close first
+                if stopping.is_set():  # the running requests end; every rank closes their rows, then stops
+                    sched.fail(503, "the server is shutting down")
+                    if sched.trimming or sched.closing or sched.dropping:
                         self._run(Plan(trims=sched.trimming, closes=sched.closing, drops=sched.dropping))
                         sched.trimming, sched.closing, sched.dropping = [], [], []
                     self._send(torch.tensor([STOP, 0]))
-                    sched.fail(503, "the server is shutting down")
                     return
                 sched.admit(requests, self.heartbeat)
                 t0 = time.perf_counter()

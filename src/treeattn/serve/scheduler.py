@@ -302,9 +302,12 @@ class Scheduler:
                                "drafted": None if d is None else (d.accepted, d.offered - d.accepted)})  # fmt: skip
 
     def fail(self, status: int, message: str) -> None:
-        """Every running and held request gets an error (a rank failed, or the server stops)."""
-        for j in self.jobs:
+        """Every running and held request gets an error (a rank failed, or the server stops);
+        their rows close at the next plan."""
+        for j in list(self.jobs):
             j.req.emit("error", (status, message))
+            j.finish = "error"
+            self._end(j)
         if self.held is not None:
             self.held.emit("error", (status, message))
-        self.jobs, self.held = [], None
+        self.held = None
