@@ -15,9 +15,9 @@ and a token for every decoding request (with speculation, followed by its draft:
 Joins go first: a step that runs join chunks leaves the decode rows out, unless they were
 left out of the step before, so a new question's first token comes after one step of its own
 (not after a step that also carries every running request), and the running requests never
-wait more than one step in a row, however long a joining prompt is. Measured with
-``benchmarks/serve_batch.py`` (docs/benchmarks.md §12.1): both kinds of step cost about what they
-cost together, so little throughput is lost.
+wait more than one step in a row, however long a joining prompt is. The price: a join and the
+decode rows no longer share one read of the weights. The late joiner's wait and the tokens/s:
+docs/benchmarks.md §12.1.
 """
 
 from __future__ import annotations
