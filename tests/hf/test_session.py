@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from transformers import DynamicCache  # noqa: E402
 
-from treeattn.hf._steps import _cache_kw  # noqa: E402
+from treeattn.hf._model import cache_kw  # noqa: E402
 from treeattn.launch import launch  # noqa: E402
 
 
@@ -25,10 +25,10 @@ def spread(model) -> tuple[float, float]:
     even in a float64 model, so these are float32-sized, not float64-sized."""
     ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        full = model(ids, **_cache_kw(model, DynamicCache()), use_cache=True)
+        full = model(ids, **cache_kw(model, DynamicCache()), use_cache=True)
         cache, logits = DynamicCache(), []  # no config: every layer keeps every token
         for t in range(40):
-            o = model(ids[:, t : t + 1], **_cache_kw(model, cache), use_cache=True)
+            o = model(ids[:, t : t + 1], **cache_kw(model, cache), use_cache=True)
             cache = o.past_key_values
             logits.append(o.logits[:, -1])
     e_logits = (torch.stack(logits, 1) - full.logits).abs().max().item()
@@ -97,7 +97,7 @@ class Reference:
     @torch.no_grad()
     def keys(self, seq: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cache = DynamicCache()  # no config: sliding-window layers keep every token too
-        self.m(torch.tensor([seq]), **_cache_kw(self.m, cache), use_cache=True)
+        self.m(torch.tensor([seq]), **cache_kw(self.m, cache), use_cache=True)
         return [(layer.keys[0], layer.values[0]) for layer in cache.layers]
 
 
@@ -125,7 +125,7 @@ def random_tree(rng: random.Random, T: int) -> list[int]:
 
 def run_case(kind, placement, attention, seed, ops, B=1, ragged=False, chunk=4, max_step=6, prefill=None):
     from treeattn.hf import Session
-    from treeattn.hf._steps import auto_block
+    from treeattn.hf._model import auto_block
 
     p = dist.get_world_size()
     rng = random.Random(seed)
@@ -334,7 +334,7 @@ def test_session_bad_calls_fail_alike_and_change_nothing(p):
 
 
 def test_auto_block():
-    from treeattn.hf._steps import auto_block
+    from treeattn.hf._model import auto_block
 
     # 1 for p = 1 and short prompts; a power of two with at least 4 blocks per rank, at most 256
     assert [auto_block(T, 2) for T in (1, 7, 8, 16, 40, 1500, 2048, 4006, 10**6)] == [1, 1, 1, 2, 4, 128, 256, 256, 256]

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..cache import Placement, RowCache
 from ..comm.collectives import world
-from . import _steps as S
+from . import _model as S
 from ._cascade import PrefixGroup, RowsStep, Shape
 from .attention import AttnSwitch, TreeAttnCache
 from .session import Session
@@ -166,7 +166,7 @@ class BatchRunner:
         tc.ctx = ctx
         with self._switch():
             hidden = self.decoder(input_ids=torch.tensor([ids], device=self.device), position_ids=pos[None].to(self.device),
-                                  **S._cache_kw(self.decoder, tc), use_cache=True, treeattn_ctx=ctx).last_hidden_state  # fmt: skip
+                                  **S.cache_kw(self.decoder, tc), use_cache=True, treeattn_ctx=ctx).last_hidden_state  # fmt: skip
         for s in (s for s in shapes if s.placed is None):  # chunks: to the ranks and slots their rows give them
             i, j, slots = self.rows.place(s.rows, s.T)
             flat = s.idx[i, j].to(self.device)

@@ -193,7 +193,7 @@ def _check_fit(a, cfg, L: int, new: int, batch: int) -> None:
 
 
 def worker(a: argparse.Namespace, job: Job, local: bool) -> None:
-    from ._steps import auto_block
+    from ._model import auto_block
     from .generate import generate
 
     rank, p = dist.get_rank(), dist.get_world_size()

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ..comm.collectives import world
 from ..comm.validate import agree, float_bits
-from ._steps import checksum, model_problem, right_padded
+from ._model import checksum, model_problem, right_padded
 from .contrastive import HiddenStore, contrastive_step
 from .sampler import Sampler
 from .session import ATTENTIONS, PREFILLS, Session

@@ -5,7 +5,6 @@ tokens (a chain or a token tree) are run with :meth:`Session.step` and committed
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Sequence
 
@@ -18,9 +17,9 @@ from ..cache import PLACEMENTS, ShardedKVCache
 from ..comm.collectives import world
 from ..comm.strategies import STRATEGIES
 from ..comm.validate import agree
-from . import _steps as S
+from . import _model as S
+from ._forward import Forwards
 from ._history import History
-from .attention import AttnSwitch, StepContext, TreeAttnCache
 
 ATTENTIONS = ("tree", "ring")
 PREFILLS = ("auto", "tree", "ring")
@@ -126,17 +125,15 @@ class Session:
         self.model, self.group = model, group
         self.placement, self.block, self.attention, self.strategy = placement, block, attention, strategy
         self.prefill_chunk, self.max_length, self.prefill = prefill_chunk, limit, prefill
-        self.decoder = model.get_decoder()
-        self.dtype = next(model.parameters()).dtype
-        self.device = next(model.parameters()).device
+        self.fw = Forwards(model, group, attention=attention, strategy=strategy, prefill=prefill,
+                           prefill_chunk=prefill_chunk)  # fmt: skip
+        self.dtype, self.device = self.fw.dtype, self.fw.device
         self.cache: ShardedKVCache | None = None
-        self._tc: TreeAttnCache | None = None
-        self._switch = AttnSwitch(model)
         self.history = History()  # committed ids and lengths, on the host
         self._pending: tuple | None = None  # the last step: tokens, parents, K/V per layer, hidden states
         self.hidden = None  # a contrastive.HiddenStore when the hidden states of the tokens are kept
         self.last_call: dict = {}
-        self.counters = dict(forwards=0, extend_tokens=0, extend_seconds=0.0, steps=0, step_tokens=0,
+        self.counters = dict(extend_tokens=0, extend_seconds=0.0, steps=0, step_tokens=0,
                              step_seconds=0.0, kept_tokens=0)  # fmt: skip
 
     def __len__(self) -> int:
@@ -170,8 +167,8 @@ class Session:
         kind of call, tokens kept) and ``last_call`` (``op``, ``tokens``, ``seconds``; keep and
         rewind run no forward and report 0 s)."""
         cb = self.cache.memory_bytes() if self.cache is not None else {"allocated": 0, "used": 0}
-        return dict(cache_bytes=cb, peak_bytes=peak_memory_bytes(self.device), counters=dict(self.counters),
-                    last_call=dict(self.last_call))  # fmt: skip
+        return dict(cache_bytes=cb, peak_bytes=peak_memory_bytes(self.device),
+                    counters=dict(forwards=self.fw.forwards, **self.counters), last_call=dict(self.last_call))  # fmt: skip
 
     # -- calls -----------------------------------------------------------------------
     @torch.no_grad()
@@ -216,7 +213,7 @@ class Session:
                 raise ValueError(
                     "a right-padded attention_mask needs every sequence of the batch at the same length and layout"
                 )
-            S.check_room(self, lens, B)
+            self._check_room(lens, B)
         except (ValueError, TypeError) as e:
             err = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
         if check:
@@ -229,14 +226,14 @@ class Session:
         self._ensure_cache(B, T)
         before = self.history.lens.clone()
         try:
-            with self._treeattn():
+            with self.fw.treeattn():
                 if T == 1 or self.cache.uniform():
-                    out = S.decode_one(self, ids[:, 0]) if T == 1 else S.prefill(self, ids, lens)
+                    out = self.fw.decode(ids[:, 0], self.hidden) if T == 1 else self.fw.prefill(ids, lens, self.hidden)
                     self.history.commit(ids.detach().cpu().to(torch.int64), before, lens)
                 else:  # a ragged batch: chains of prefill_chunk tokens, stepped and kept (kept = committed)
                     n = self.prefill_chunk or T
                     for a in range(0, T, n):
-                        logits = S.tree_step(self, ids[:, a : a + n], S.tree_of(None, min(n, T - a)))[0]
+                        logits = self._step(ids[:, a : a + n], S.tree_of(None, min(n, T - a)))[0]
                         self._keep(list(range(logits.shape[1])))
                     out = logits[:, -1]
         except BaseException:
@@ -281,7 +278,7 @@ class Session:
         try:
             B, T = self._check_ids(tokens, "tokens", check)
             tree = S.tree_of(parents, T)
-            S.check_room(self, torch.full((B,), int(tree[1].max()) + 1), B)
+            self._check_room(torch.full((B,), int(tree[1].max()) + 1), B)
         except (ValueError, TypeError) as e:
             err = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
         if check:
@@ -291,8 +288,8 @@ class Session:
         t0 = time.perf_counter()
         self._pending = None
         self._ensure_cache(*tokens.shape)
-        with self._treeattn():
-            logits, hidden = S.tree_step(self, tokens, tree)
+        with self.fw.treeattn():
+            logits, hidden = self._step(tokens, tree)
         self._account("step", tokens.numel(), t0)
         return (logits, hidden) if return_hidden else logits
 
@@ -371,7 +368,7 @@ class Session:
                                     device=self.device, group=self.group, placement=self.placement,
                                     block=self.block or S.auto_block(T, self.p))  # fmt: skip
         self.cache.slot_limit = self.cache.placement.max_per_rank(self.max_length)
-        self._tc = TreeAttnCache(self.cache)
+        self.fw.bind(self.cache)
         self.history = History(B)
 
     def _truncate(self, lens: Tensor) -> None:
@@ -385,24 +382,21 @@ class Session:
         self.counters[f"{op}_seconds"] += self.last_call["seconds"]
         self.counters["steps"] += op == "step"
 
-    @contextlib.contextmanager
-    def _treeattn(self):
-        try:
-            with self._switch():
-                yield
-        finally:
-            self._tc.ctx = None
+    def _step(self, tokens: Tensor, tree: tuple) -> tuple[Tensor, Tensor]:
+        """Run a block of tentative tokens; its K/V wait in ``_pending`` for :meth:`keep`."""
+        logits, hidden, stash = self.fw.step(tokens, tree, self.history.lens)
+        self._pending = (tokens.detach().cpu().to(torch.int64), tree[0], stash, hidden)
+        return logits, hidden
 
-    def _forward(self, ctx: StepContext, ids: Tensor, pos: Tensor) -> Tensor:
-        self._tc.ctx = ctx
-        self.counters["forwards"] += 1
-        return self.decoder(
-            input_ids=ids.to(self.device),
-            position_ids=pos.to(self.device),
-            **S._cache_kw(self.decoder, self._tc),
-            use_cache=True,
-            treeattn_ctx=ctx,
-        ).last_hidden_state
+    def _check_room(self, add: Tensor, B: int) -> None:
+        """ValueError unless adding ``add [B]`` tokens keeps every sequence within ``max_length``."""
+        base = self.history.lens if len(self) or B == self.batch else torch.zeros(B, dtype=torch.int64)
+        end = int((base + add).max())
+        if end > self.max_length:
+            raise ValueError(
+                f"this call would take a sequence to {end} tokens, but the session holds at most "
+                f"{self.max_length} (max_length, at most the model's max_position_embeddings); rewind first"
+            )
 
     def _keep(self, path: list[int]) -> None:
         tokens, _, stash, hid = self._pending

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..comm.collectives import broadcast, world
 from ._draft_policy import DraftPolicy
-from ._steps import _cache_kw
+from ._model import cache_kw
 from .sampler import Sampler
 
 SPECULATE = ("prompt-lookup", "draft")
@@ -118,7 +118,7 @@ class DraftModel:
     @torch.no_grad()
     def _run(self, ids: list[int]) -> Tensor:
         x = torch.tensor([ids], device=self.device)
-        out = self.model(input_ids=x, **_cache_kw(self.model, self.cache), use_cache=True)
+        out = self.model(input_ids=x, **cache_kw(self.model, self.cache), use_cache=True)
         return out.logits[0, -1].float()
 
     def _sync(self, history: list[int]) -> Tensor:

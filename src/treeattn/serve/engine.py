@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..cache.placement import Placement
 from ..comm.collectives import CollectiveError, broadcast, world
-from ..hf._steps import auto_block
+from ..hf._model import auto_block
 from ..hf.batch import BatchRunner
 from .plan import Plan
 from .request import BadRequest, Request

@@ -1,5 +1,7 @@
-"""What one call of a :class:`treeattn.hf.Session` runs: logits, token trees, prefill windows,
-the block prefill, and the argument checks it shares with :func:`treeattn.hf.generate`."""
+"""What treeattn needs of a transformers model and its inputs, with no state of its own: the
+model check, the LM head's logits, the cache keyword of its forward, the placement block,
+prefill windows, token trees, right-padded masks, checksums, and the argument checks that
+:class:`treeattn.hf.Session`, :func:`treeattn.hf.generate` and the batched runner share."""
 
 from __future__ import annotations
 
@@ -8,11 +10,8 @@ import inspect
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from ..comm.collectives import all_reduce
-from .attention import StepContext
 from .families import unsupported_reason
 
 
@@ -34,7 +33,7 @@ def _cache_name(forward_cls: type) -> str:
     return "cache" if "cache" in names else "past_key_values"
 
 
-def _cache_kw(decoder: torch.nn.Module, cache) -> dict:
+def cache_kw(decoder: torch.nn.Module, cache) -> dict:
     """The cache keyword of the decoder's forward: ``cache`` (transformers >= 5.24, where
     ``past_key_values`` is deprecated) or ``past_key_values``."""
     return {_cache_name(type(decoder)): cache}
@@ -139,97 +138,6 @@ def tree_of(parents: Sequence[int] | None, T: int) -> tuple[list[int], Tensor, T
             depth[i] = depth[a] + 1
             sees[i] |= sees[a]
     return parents, depth, sees
-
-
-_FLOPS_PER_BYTE = 30  # attention flops one rank does while gloo moves a byte (2-core host, order of magnitude)
-
-
-def prefill_method(self, q_pos: list[Tensor], old: list[Tensor], new: list[Tensor], b: list[int]) -> str:
-    """``"tree"`` or ``"ring"`` for one prefill chunk: the one with less traffic left exposed.
-    Ring receives every other rank's keys and values up to this chunk, overlapped with the
-    attention of the block held (hidden at ``_FLOPS_PER_BYTE``): big chunks hide it all, a few
-    queries over a long cache do not. Tree gathers the chunk's queries and sends each rank its
-    queries' states (an all-gather and an all-to-all of ``n_max`` rows), with nothing to hide behind."""
-    if self.p == 1:
-        return "tree"
-    cfg = self.model.config
-    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
-    e = self.dtype.itemsize
-    keys = [len(o) + j for o, j in zip(old, b, strict=True)]
-    ring = max((sum(keys) - m) * hkv * 2 * d * e - 4 * len(q) * m * hq * d / _FLOPS_PER_BYTE
-               for q, m in zip(q_pos, keys, strict=True))  # fmt: skip
-    tree = (self.p - 1) * max(len(x) for x in q_pos) * hq * (d * e + (d + 1) * max(e, 4))  # states: float32+
-    return "ring" if ring <= tree else "tree"
-
-
-def prefill(self, ids: Tensor, lens: Tensor) -> Tensor:
-    """:meth:`Session.extend` of a block on a uniform cache (``self``: the session). Every rank
-    runs the tokens it will hold, window by window in position order, and stores their K/V;
-    returns the float32 logits of each sequence's last token."""
-    c, rank = self.cache, self.rank
-    B, T = ids.shape
-    L0 = int(c.seq_lens[0])
-    old = [c.rank_positions(r) for r in range(self.p)]
-    new, base = c.begin_extend(lens, T)
-    last = None
-    for lo, hi in prefill_windows(new, L0, L0 + T, self.prefill_chunk):
-        a = [int(torch.searchsorted(x, lo)) for x in new]
-        b = [int(torch.searchsorted(x, hi)) for x in new]
-        q_pos = [x[i:j] for x, i, j in zip(new, a, b, strict=True)]
-        n = len(q_pos[rank])
-        how = self.prefill if self.prefill != "auto" else prefill_method(self, q_pos, old, new, b)
-        ctx = StepContext(c, "prefill", how, self.strategy, self.group,
-                          positions=[torch.cat([o, x[:j]]) for o, x, j in zip(old, new, b, strict=True)],
-                          q_positions=q_pos, n_real=n, start=base + a[rank])  # fmt: skip
-        pos = q_pos[rank] if n else torch.full((1,), L0, dtype=torch.int64)  # a placeholder keeps the model happy
-        hidden = self._forward(ctx, ids[:, (pos - L0).to(ids.device)], pos[None, :].expand(B, -1))
-        if self.hidden is not None and n:
-            self.hidden.store_block(base + a[rank], hidden[:, :n])
-        if last is None:
-            acc = torch.promote_types(hidden.dtype, torch.float32)
-            last = torch.zeros(B, hidden.shape[-1], dtype=acc, device=self.device)
-        if n:  # who holds each sequence's last token in this window
-            rows, cols = torch.nonzero(q_pos[rank][None, :] == (L0 + lens - 1)[:, None], as_tuple=True)
-            last[rows.to(self.device)] = hidden[rows.to(self.device), cols.to(self.device)].to(last.dtype)
-    last = all_reduce(last, dist.ReduceOp.SUM, self.group)
-    return lm_logits(self.model, last.to(self.dtype))
-
-
-def decode_one(self, tok: Tensor) -> Tensor:
-    """:meth:`Session.extend` of one token per sequence: placed, stored, then attention over the cache."""
-    c = self.cache
-    pos = c.seq_lens.clone()
-    c.begin_decode_step()
-    ctx = StepContext(c, "decode", self.attention, self.strategy, self.group, kv_lens=c.kv_lens.clone().to(
-        self.device), q_pos=pos)  # fmt: skip
-    hidden = self._forward(ctx, tok[:, None], pos[:, None])[:, -1]
-    if self.hidden is not None:
-        self.hidden.store(c._step_rows, c._step_slots, hidden[c._step_rows])
-    return lm_logits(self.model, hidden)
-
-
-def tree_step(self, tokens: Tensor, tree: tuple[list[int], Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-    """:meth:`Session.step`: the block runs with its K/V kept aside in ``self._pending``."""
-    parents, depth, sees = tree
-    c = self.cache
-    q_pos = self.history.lens[:, None] + depth[None, :]
-    ctx = StepContext(c, "step", self.attention, self.strategy, self.group, kv_lens=c.kv_lens.to(self.device),
-                      q_pos=q_pos, tree=sees, depth=depth)  # fmt: skip
-    hidden = self._forward(ctx, tokens, q_pos)
-    self._pending = (tokens.detach().cpu().to(torch.int64), parents, ctx.stash, hidden)
-    return lm_logits(self.model, hidden), hidden
-
-
-def check_room(self, add: Tensor, B: int) -> None:
-    """ValueError unless adding ``add [B]`` tokens keeps every sequence within ``max_length``."""
-    base = self.history.lens if len(self) or B == self.batch else torch.zeros(B, dtype=torch.int64)
-    end = int((base + add).max())
-    if end > self.max_length:
-        raise ValueError(
-            f"this call would take a sequence to {end} tokens, but the session holds at most "
-            f"{self.max_length} (max_length, at most the model's max_position_embeddings); rewind first"
-        )
 
 
 def check_ids(ids, what: str, V: int, values: bool = True) -> None:

@@ -1,0 +1,130 @@
+"""How a :class:`treeattn.hf.Session` runs its model over its sharded cache: a block of
+prompt tokens as chunked, sharded prefill (Tree or Ring per chunk), one new token per
+sequence as a decode step, or a block of tentative tokens (a chain or a token tree) as a
+step whose K/V are kept aside. Each chunk is one forward of the transformers model with the
+``"treeattn"`` attention implementation reading a :class:`StepContext`. What is committed
+is the Session's business: these return logits (and what a step keeps aside), nothing more."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..cache import ShardedKVCache
+from ..comm.collectives import all_reduce, world
+from ._model import cache_kw, lm_logits, prefill_windows
+from .attention import AttnSwitch, StepContext, TreeAttnCache
+
+_FLOPS_PER_BYTE = 30  # attention flops one rank does while gloo moves a byte (2-core host, order of magnitude)
+
+
+class Forwards:
+    """The model, its decoder and the parallel settings of one Session; :meth:`bind` gives it
+    the cache. ``forwards`` counts the model's forward calls."""
+
+    def __init__(self, model: torch.nn.Module, group, *, attention: str, strategy: str, prefill: str,
+                 prefill_chunk: int | None) -> None:  # fmt: skip
+        self.model, self.group = model, group
+        self.rank, self.p = world(group)
+        self.decoder = model.get_decoder()
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        self.attention, self.strategy, self.prefill_mode, self.prefill_chunk = attention, strategy, prefill, prefill_chunk
+        self.cache: ShardedKVCache | None = None
+        self._tc: TreeAttnCache | None = None
+        self._switch = AttnSwitch(model)
+        self.forwards = 0
+
+    def bind(self, cache: ShardedKVCache) -> None:
+        self.cache, self._tc = cache, TreeAttnCache(cache)
+
+    @contextlib.contextmanager
+    def treeattn(self):
+        """The model's attention is treeattn's for the calls inside."""
+        try:
+            with self._switch():
+                yield
+        finally:
+            self._tc.ctx = None
+
+    def _run(self, ctx: StepContext, ids: Tensor, pos: Tensor) -> Tensor:
+        self._tc.ctx = ctx
+        self.forwards += 1
+        return self.decoder(input_ids=ids.to(self.device), position_ids=pos.to(self.device),
+                            **cache_kw(self.decoder, self._tc), use_cache=True, treeattn_ctx=ctx).last_hidden_state  # fmt: skip
+
+    def method(self, q_pos: list[Tensor], old: list[Tensor], new: list[Tensor], b: list[int]) -> str:
+        """``"tree"`` or ``"ring"`` for one prefill chunk: the one with less traffic left exposed.
+        Ring receives every other rank's keys and values up to this chunk, overlapped with the
+        attention of the block held (hidden at ``_FLOPS_PER_BYTE``): big chunks hide it all, a few
+        queries over a long cache do not. Tree gathers the chunk's queries and sends each rank its
+        queries' states (an all-gather and an all-to-all of ``n_max`` rows), with nothing to hide behind."""
+        if self.p == 1:
+            return "tree"
+        cfg = self.model.config
+        hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+        e = self.dtype.itemsize
+        keys = [len(o) + j for o, j in zip(old, b, strict=True)]
+        ring = max((sum(keys) - m) * hkv * 2 * d * e - 4 * len(q) * m * hq * d / _FLOPS_PER_BYTE
+                   for q, m in zip(q_pos, keys, strict=True))  # fmt: skip
+        tree = (self.p - 1) * max(len(x) for x in q_pos) * hq * (d * e + (d + 1) * max(e, 4))  # states: float32+
+        return "ring" if ring <= tree else "tree"
+
+    def prefill(self, ids: Tensor, lens: Tensor, hidden_store=None) -> Tensor:
+        """A block ``ids [B, T]`` (``lens [B]`` of them real) on a uniform cache: every rank runs
+        the tokens it will hold, window by window in position order, and stores their K/V;
+        returns the float32 logits of each sequence's last token."""
+        c, rank = self.cache, self.rank
+        B, T = ids.shape
+        L0 = int(c.seq_lens[0])
+        old = [c.rank_positions(r) for r in range(self.p)]
+        new, base = c.begin_extend(lens, T)
+        last = None
+        for lo, hi in prefill_windows(new, L0, L0 + T, self.prefill_chunk):
+            a = [int(torch.searchsorted(x, lo)) for x in new]
+            b = [int(torch.searchsorted(x, hi)) for x in new]
+            q_pos = [x[i:j] for x, i, j in zip(new, a, b, strict=True)]
+            n = len(q_pos[rank])
+            how = self.prefill_mode if self.prefill_mode != "auto" else self.method(q_pos, old, new, b)
+            ctx = StepContext(c, "prefill", how, self.strategy, self.group,
+                              positions=[torch.cat([o, x[:j]]) for o, x, j in zip(old, new, b, strict=True)],
+                              q_positions=q_pos, n_real=n, start=base + a[rank])  # fmt: skip
+            pos = q_pos[rank] if n else torch.full((1,), L0, dtype=torch.int64)  # a placeholder keeps the model happy
+            hidden = self._run(ctx, ids[:, (pos - L0).to(ids.device)], pos[None, :].expand(B, -1))
+            if hidden_store is not None and n:
+                hidden_store.store_block(base + a[rank], hidden[:, :n])
+            if last is None:
+                acc = torch.promote_types(hidden.dtype, torch.float32)
+                last = torch.zeros(B, hidden.shape[-1], dtype=acc, device=self.device)
+            if n:  # who holds each sequence's last token in this window
+                rows, cols = torch.nonzero(q_pos[rank][None, :] == (L0 + lens - 1)[:, None], as_tuple=True)
+                last[rows.to(self.device)] = hidden[rows.to(self.device), cols.to(self.device)].to(last.dtype)
+        last = all_reduce(last, dist.ReduceOp.SUM, self.group)
+        return lm_logits(self.model, last.to(self.dtype))
+
+    def decode(self, tok: Tensor, hidden_store=None) -> Tensor:
+        """One token per sequence ``tok [B]``: placed, stored, then attention over the cache; its logits."""
+        c = self.cache
+        pos = c.seq_lens.clone()
+        c.begin_decode_step()
+        ctx = StepContext(c, "decode", self.attention, self.strategy, self.group, kv_lens=c.kv_lens.clone().to(
+            self.device), q_pos=pos)  # fmt: skip
+        hidden = self._run(ctx, tok[:, None], pos[:, None])[:, -1]
+        if hidden_store is not None:
+            hidden_store.store(c._step_rows, c._step_slots, hidden[c._step_rows])
+        return lm_logits(self.model, hidden)
+
+    def step(self, tokens: Tensor, tree: tuple[list[int], Tensor, Tensor], committed: Tensor) -> tuple:
+        """Tentative ``tokens [B, T]`` in the token tree ``tree`` (:func:`~treeattn.hf._model.tree_of`)
+        after ``committed [B]`` tokens, nothing stored: ``(logits [B, T, V], hidden, K/V per layer)``."""
+        _, depth, sees = tree
+        c = self.cache
+        q_pos = committed[:, None] + depth[None, :]
+        ctx = StepContext(c, "step", self.attention, self.strategy, self.group, kv_lens=c.kv_lens.to(self.device),
+                          q_pos=q_pos, tree=sees, depth=depth)  # fmt: skip
+        hidden = self._run(ctx, tokens, q_pos)
+        return lm_logits(self.model, hidden), hidden, ctx.stash
