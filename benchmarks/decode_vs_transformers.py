@@ -118,24 +118,25 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     ref = None
     for run in range(a.runs):
+        ref_toks = {}
         for name in bases:
             q = ctx.Queue()
             p = ctx.Process(target=transformers_run, args=(d, ids, new, a.threads, name.endswith("packed"), q))
             p.start()
             got, ttft, spt = q.get()
             p.join()
-            if name == "transformers":
-                toks = got
-            elif got != toks:
+            ref_toks[name] = got
+            if name != "transformers" and got != ref_toks["transformers"]:
                 print(f"run {run}: {name} gave other tokens than transformers", flush=True)
-            ref = toks if ref is None else ref
+            ref = got if ref is None else ref
             table.setdefault(name, []).append((1e3 * spt, ttft, 1.0))
         with tempfile.TemporaryDirectory() as tmp:
             launch(treeattn_run, a.nproc, (d, ids, new, variants, tmp), timeout=7200)
             rows = json.loads(Path(tmp, "rows.json").read_text())
         for r in rows:
-            if r["toks"] != toks:
-                print(f"run {run}: {r['name']} gave other tokens than transformers", flush=True)
+            base = "transformers, packed" if r["name"].endswith(", packed") else "transformers"
+            if r["toks"] != ref_toks[base]:
+                print(f"run {run}: {r['name']} gave other tokens than {base}", flush=True)
             table.setdefault(r["name"], []).append((r["ms"], r["ttft"], r["mal"]))
             if r["costs"]:
                 print(f"run {run}: {r['name']}: measured step cost by tokens (plain = 1): "

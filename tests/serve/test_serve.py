@@ -205,7 +205,9 @@ def test_engine_stop_ends_running_requests_and_frees_their_rows():
                   temperature=0.0))  # fmt: skip
     t = threading.Thread(target=eng.serve, args=(q, stopping))
     t.start()
+    deadline = time.monotonic() + 60
     while sum(k == "text" for k, _ in events) < 3:
+        assert t.is_alive() and time.monotonic() < deadline, events
         time.sleep(0.01)
     stopping.set()
     t.join(10)

@@ -2,8 +2,9 @@
 prompt tokens as chunked, sharded prefill (Tree or Ring per chunk), one new token per
 sequence as a decode step, or a block of tentative tokens (a chain or a token tree) as a
 step whose K/V are kept aside. Each chunk is one forward of the transformers model with the
-``"treeattn"`` attention implementation reading a :class:`StepContext`. What is committed
-is the Session's business: these return logits (and what a step keeps aside), nothing more."""
+``"treeattn"`` attention implementation reading a :class:`StepContext`. A prefill or a
+decode step stores its K/V in the cache (and hidden states in a store, when given); what is
+committed to the Session's history, and a step's keeping, are the Session's business."""
 
 from __future__ import annotations
 
@@ -23,10 +24,10 @@ _FLOPS_PER_BYTE = 30  # attention flops one rank does while gloo moves a byte (2
 
 class Forwards:
     """The model, its decoder and the parallel settings of one Session; :meth:`bind` gives it
-    the cache. ``forwards`` counts the model's forward calls."""
+    the cache."""
 
     def __init__(self, model: torch.nn.Module, group, *, attention: str, strategy: str, prefill: str,
-                 prefill_chunk: int | None) -> None:  # fmt: skip
+                 prefill_chunk: int | None, counters: dict) -> None:  # fmt: skip
         self.model, self.group = model, group
         self.rank, self.p = world(group)
         self.decoder = model.get_decoder()
@@ -36,7 +37,7 @@ class Forwards:
         self.cache: ShardedKVCache | None = None
         self._tc: TreeAttnCache | None = None
         self._switch = AttnSwitch(model)
-        self.forwards = 0
+        self.counters = counters  # the Session's: "forwards" counts the model's forward calls
 
     def bind(self, cache: ShardedKVCache) -> None:
         self.cache, self._tc = cache, TreeAttnCache(cache)
@@ -52,7 +53,7 @@ class Forwards:
 
     def _run(self, ctx: StepContext, ids: Tensor, pos: Tensor) -> Tensor:
         self._tc.ctx = ctx
-        self.forwards += 1
+        self.counters["forwards"] += 1
         return self.decoder(input_ids=ids.to(self.device), position_ids=pos.to(self.device),
                             **cache_kw(self.decoder, self._tc), use_cache=True, treeattn_ctx=ctx).last_hidden_state  # fmt: skip
 

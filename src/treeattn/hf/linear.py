@@ -5,12 +5,15 @@ model), instead of MKL's GEMM over the plain weight at every call.
 Two things change, measured on this project's CPU (AMD EPYC, AVX-512, one thread; float32,
 SmolLM2-135M's 30 layers of linears plus its 49152 x 576 LM head; ``benchmarks/packed_linear.py``):
 
-- Speed. Rows per call 1 / 8 / 32: the layers 35.8 / 37.9 / 80.5 ms against 41.1 / 59.4 /
-  110.4 ms; the LM head 7.7 / 8.5 / 20.0 ms against 11.4 / 21.2 / 36.2 ms. A decode step of 8
+- Speed. Rows per call 1 / 8 / 32: the layers 37.9 / 40.0 / 85.5 ms against 45.7 / 66.8 /
+  118.9 ms; the LM head 7.3 / 9.0 / 20.2 ms against 11.6 / 22.1 / 37.8 ms. A decode step of 8
   rows gets its linears at about the cost of one row.
 - Batch invariance. A row's output is bitwise the same whatever other rows share the call
-  (MKL's GEMM picks its blocking by the number of rows, so there it is not). With packed
-  linears, a request batched with others gets exactly the hidden states it gets alone.
+  (MKL's GEMM picks its blocking by the number of rows, so there it is not). oneDNN has a
+  kernel of its own for a single row, with other bits on some shapes (SmolLM2's 1536 -> 576
+  down projection, 4096 -> 1024), so calls of 1 to 3 rows run padded to 4 (``_MIN_ROWS``).
+  With packed linears, a request batched with others gets exactly the hidden states it gets
+  alone.
 
 The rounding is not MKL's: outputs differ from the plain layer's in the last bits (about 1e-7
 relative). Compare a packed model with a packed model.
@@ -27,6 +30,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 _ROWS_HINT = 8
+# Calls of fewer rows run padded to this many. oneDNN runs one row through a kernel of its own
+# whose bits differ from a batch's on some shapes (1536 -> 576, 4096 -> 1024); 2 or more rows
+# all agree. And 4 rows were the fastest here: SmolLM2's 30 layers, 1 / 2 / 4 rows 38 / 45 / 31
+# ms, its LM head 8.2 / 9.7 / 6.7 ms (one thread).
+_MIN_ROWS = 4
 _ATTR = "_treeattn_packed"
 
 
@@ -45,6 +53,12 @@ def _forward(self: nn.Linear, x: Tensor) -> Tensor:
     packed, dense, _ = getattr(self, _ATTR)
     if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):  # oneDNN's op has no backward
         return F.linear(x, self.weight if dense else packed.to_dense(), self.bias)
+    n = x.numel() // max(x.shape[-1], 1)
+    if 0 < n < _MIN_ROWS:  # padded with zero rows: the kernel of any batch, and the fastest
+        x2 = x.reshape(n, -1)
+        x2 = torch.cat([x2, x2.new_zeros(_MIN_ROWS - n, x2.shape[1])])
+        y = torch.ops.mkldnn._linear_pointwise(x2, packed, self.bias, "none", [], "")
+        return y[:n].reshape(*x.shape[:-1], y.shape[-1])
     return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
 
 
@@ -53,16 +67,21 @@ def pack_linears(model: nn.Module) -> int:
     returns how many were packed (0 where :func:`packing_available` is False, on other devices
     and dtypes). Idempotent.
 
-    For inference: a weight that no other module shares is replaced by a new ``Parameter``
-    (same shape and dtype, ``requires_grad`` False) in oneDNN's layout, so no memory is added,
-    but only the layer's own forward can read it and ``copy.deepcopy`` fails. A shared one (an
-    LM head tied to the embeddings) stays as it is, beside a packed copy. First, the model's
-    CPU parameters and buffers are copied once into memory of their own (same values), so
-    that a checkpoint memory-mapped from its file (transformers' safetensors loading) is
-    unmapped rather than kept resident beside the packed weights; until it is, both are
-    resident (the process's peak). Where autograd
-    records (an input that requires grad, outside ``no_grad``) a layer runs ``F.linear`` on
-    the dense weight. Undo with :func:`unpack_linears`.
+    For inference: a weight that no other module of ``model`` shares is replaced by a new
+    ``Parameter`` (same shape and dtype, ``requires_grad`` False) in oneDNN's layout, so no
+    memory is added, but only the layer's own forward can read it: ``copy.deepcopy``,
+    ``torch.save`` of the state dict and ``load_state_dict`` into the layer fail until
+    :func:`unpack_linears`. A weight shared within ``model`` (an LM head tied to the
+    embeddings) stays as it is, beside a packed copy that does not follow in-place changes to
+    it. Pass the whole model: a weight shared with a module outside ``model`` is taken as
+    unshared (the tie is gone, then and after unpacking). First, the model's CPU parameters
+    and buffers are copied once into memory of their own (same values), so that a checkpoint
+    memory-mapped from its file (transformers' safetensors loading) is unmapped rather than
+    kept resident beside the packed weights; until it is, both are resident (the process's
+    peak). A mapped file's pages are shared by the processes that map it, private copies are
+    not: on p local ranks, the total moves less than the sum of the ranks' RSS suggests.
+    Wherever autograd records (outside ``no_grad``, an input or a dense weight that requires
+    grad) a layer runs ``F.linear`` on the dense weight.
     """
     if not packing_available():
         return 0

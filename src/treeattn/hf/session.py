@@ -123,21 +123,40 @@ class Session:
         agree(fields, err, group=group, show={"attention": dict(enumerate(ATTENTIONS)),
                                               "placement": dict(enumerate(PLACEMENTS))})  # fmt: skip
         self.model, self.group = model, group
-        self.placement, self.block, self.attention, self.strategy = placement, block, attention, strategy
-        self.prefill_chunk, self.max_length, self.prefill = prefill_chunk, limit, prefill
+        self.placement, self.block, self.max_length = placement, block, limit
+        self.counters = dict(forwards=0, extend_tokens=0, extend_seconds=0.0, steps=0, step_tokens=0,
+                             step_seconds=0.0, kept_tokens=0)  # fmt: skip
         self.fw = Forwards(model, group, attention=attention, strategy=strategy, prefill=prefill,
-                           prefill_chunk=prefill_chunk)  # fmt: skip
+                           prefill_chunk=prefill_chunk, counters=self.counters)  # fmt: skip
         self.dtype, self.device = self.fw.dtype, self.fw.device
         self.cache: ShardedKVCache | None = None
         self.history = History()  # committed ids and lengths, on the host
         self._pending: tuple | None = None  # the last step: tokens, parents, K/V per layer, hidden states
         self.hidden = None  # a contrastive.HiddenStore when the hidden states of the tokens are kept
         self.last_call: dict = {}
-        self.counters = dict(extend_tokens=0, extend_seconds=0.0, steps=0, step_tokens=0,
-                             step_seconds=0.0, kept_tokens=0)  # fmt: skip
 
     def __len__(self) -> int:
         return len(self.history)
+
+    @property
+    def attention(self) -> str:
+        """``"tree"`` or ``"ring"`` decoding (as created)."""
+        return self.fw.attention
+
+    @property
+    def strategy(self) -> str:
+        """Tree decoding's reduction (as created)."""
+        return self.fw.strategy
+
+    @property
+    def prefill(self) -> str:
+        """How :meth:`extend` prefills a block (as created)."""
+        return self.fw.prefill_mode
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        """Tokens per rank per prefill forward (as created)."""
+        return self.fw.prefill_chunk
 
     @property
     def batch(self) -> int:
@@ -168,7 +187,7 @@ class Session:
         rewind run no forward and report 0 s)."""
         cb = self.cache.memory_bytes() if self.cache is not None else {"allocated": 0, "used": 0}
         return dict(cache_bytes=cb, peak_bytes=peak_memory_bytes(self.device),
-                    counters=dict(forwards=self.fw.forwards, **self.counters), last_call=dict(self.last_call))  # fmt: skip
+                    counters=dict(self.counters), last_call=dict(self.last_call))  # fmt: skip
 
     # -- calls -----------------------------------------------------------------------
     @torch.no_grad()

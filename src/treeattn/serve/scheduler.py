@@ -13,8 +13,9 @@ and a token for every decoding request (with speculation, followed by its draft:
 (:meth:`treeattn.serve.engine.Engine.execute`).
 
 Joins go first: a step that runs join chunks leaves the decode rows out, unless they were
-left out of the step before, so a new question's first token comes after one step of its own
-(not after a step that also carries every running request), and the running requests never
+left out of the step before, so a new question's first token comes after a step of its own
+(unless it arrives just after such a step: then its chunks ride beside the decode rows), and
+the running requests never
 wait more than one step in a row, however long a joining prompt is. The price: a join and the
 decode rows no longer share one read of the weights. The late joiner's wait and the tokens/s:
 docs/benchmarks.md §12.1.
@@ -310,4 +311,4 @@ class Scheduler:
             self._end(j)
         if self.held is not None:
             self.held.emit("error", (status, message))
-        self.held = None
+        self.held, self.held_back = None, False
