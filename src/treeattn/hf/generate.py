@@ -11,9 +11,10 @@ from torch import Tensor
 from ..comm.collectives import world
 from ..comm.validate import agree, float_bits
 from ._model import checksum, model_problem, right_padded
+from ._settings import ATTENTIONS, PREFILLS
 from .contrastive import HiddenStore, contrastive_step
 from .sampler import Sampler
-from .session import ATTENTIONS, PREFILLS, Session
+from .session import Session
 from .speculative import SPECULATE, DraftModel, PromptLookup, Speculator
 
 

@@ -13,16 +13,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .._host import peak_memory_bytes
-from ..cache import PLACEMENTS, ShardedKVCache
+from ..cache import ShardedKVCache
 from ..comm.collectives import world
-from ..comm.strategies import STRATEGIES
 from ..comm.validate import agree
 from . import _model as S
 from ._forward import Forwards
 from ._history import History
+from ._settings import agree_settings
 
-ATTENTIONS = ("tree", "ring")
-PREFILLS = ("auto", "tree", "ring")
 _OPS = ("extend", "step", "keep", "rewind")
 
 
@@ -80,48 +78,8 @@ class Session:
         prefill: str = "auto",
     ) -> None:
         self.rank, self.p = world(group)
-        err, limit = None, 0
-        try:
-            if attention not in ATTENTIONS:
-                raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
-            if prefill not in PREFILLS:
-                raise ValueError(f"prefill must be one of {PREFILLS}, got {prefill!r}")
-            if placement not in PLACEMENTS:
-                raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-            if strategy not in STRATEGIES:
-                raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-            if prefill_chunk is not None and (type(prefill_chunk) is not int or prefill_chunk < 1):
-                raise ValueError(f"prefill_chunk must be an int >= 1 or None, got {prefill_chunk!r}")
-            if block is not None and (type(block) is not int or block < 1):
-                raise ValueError(f"block must be an int >= 1 or None, got {block!r}")
-            why = S.model_problem(model)
-            if why is not None:
-                raise ValueError(why)
-            max_pos = getattr(model.config, "max_position_embeddings", None) or (1 << 62)
-            if max_length is not None and (not isinstance(max_length, int) or not 1 <= max_length <= max_pos):
-                raise ValueError(
-                    f"max_length must be an int in [1, {max_pos}] (the model's max_position_embeddings), "
-                    f"got {max_length!r}"
-                )
-            limit = max_length or max_pos
-        except (ValueError, TypeError) as e:
-            err = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-        ok = err is None
-        cfg = model.config if ok else None
-        fields = {
-            "attention": ATTENTIONS.index(attention) if attention in ATTENTIONS else -1,
-            "prefill": PREFILLS.index(prefill) if prefill in PREFILLS else -1,
-            "placement": PLACEMENTS.index(placement) if placement in PLACEMENTS else -1,
-            "strategy": STRATEGIES.index(strategy) if strategy in STRATEGIES else -1,
-            "prefill_chunk": prefill_chunk or 0 if ok else -1,
-            "block": block or 0 if ok else -1,
-            "max_length": limit,
-            "num_hidden_layers": cfg.num_hidden_layers if ok else -1,
-            "vocab_size": cfg.vocab_size if ok else -1,
-            "hidden_size": cfg.hidden_size if ok else -1,
-        }
-        agree(fields, err, group=group, show={"attention": dict(enumerate(ATTENTIONS)),
-                                              "placement": dict(enumerate(PLACEMENTS))})  # fmt: skip
+        limit = agree_settings(model, group, placement=placement, attention=attention, strategy=strategy,
+                               prefill_chunk=prefill_chunk, max_length=max_length, block=block, prefill=prefill)  # fmt: skip
         self.model, self.group = model, group
         self.placement, self.block, self.max_length = placement, block, limit
         self.counters = dict(forwards=0, extend_tokens=0, extend_seconds=0.0, steps=0, step_tokens=0,
