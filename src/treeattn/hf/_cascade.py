@@ -6,9 +6,10 @@ row: one token for a decoding request, a chunk of a joining request's prompt. Ea
 reads the first ``keep`` tokens of its row's shared prefix (a
 :class:`~treeattn.cache.ShardedKVCache` of one sequence), the row's own earlier tokens (a
 :class:`~treeattn.cache.RowCache`), and the earlier tokens of its line (causal). The tokens
-that read the same prefix up to the same ``keep`` attend to it together: their queries are
-folded into one block, so each rank reads its shard of the prefix once per step whatever the
-number of lines. Tree: the local prefix and row states are merged on each rank and cross the
+that read the same prefix attend to it together, whatever their ``keep``: the prefix is cut
+at their distinct keeps into segments, and each segment is one pass over its keys for all
+the tokens that read it (their queries folded into one block), so each rank reads its shard
+of the prefix once per step whatever the number of lines. Tree: the local prefix and row states are merged on each rank and cross the
 ranks in one reduction (the merge is associative: seed paper, §4); the lines' own tokens,
 identical on every rank, are merged after it. Ring: each part's K/V goes round the ring.
 """
@@ -31,13 +32,29 @@ from ..parallel.tree import new_token_state
 
 @dataclass
 class PrefixGroup:
-    """The tokens ``tokens`` (flat indices, device int64) read the first ``keep`` tokens of ``cache``."""
+    """The tokens that read ``cache``: ``tokens`` (flat indices, host int64) in increasing
+    order of their keeps, ``keeps`` (increasing, distinct) and ``first[j]``, the index into
+    ``tokens`` of the first token that reads ``keeps[j]`` tokens. Segment ``j`` of the prefix,
+    this rank's slots ``[ends[j-1], ends[j])`` (``ends[-1]`` = 0), is read by ``tokens[first[j]:]``."""
 
     cache: ShardedKVCache
-    keep: int
+    keeps: list[int]
     tokens: Tensor
-    local: int = 0  # this rank's slots below keep
-    sel: slice | Tensor | None = None  # the tokens as a slice where they are contiguous
+    first: list[int]
+    ends: list[int] = field(default_factory=list)  # this rank's slots below each keep
+    sels: list = field(default_factory=list)  # segment j's tokens: a slice where contiguous, else device indices
+
+    @property
+    def local(self) -> int:
+        """This rank's slots the group reads."""
+        return self.ends[-1] if self.ends else 0
+
+    def segments(self):
+        """``(j, a, b)``: segment ``j`` is this rank's slots ``[a, b)``."""
+        a = 0
+        for j, b in enumerate(self.ends):
+            yield j, a, b
+            a = b
 
 
 @dataclass
@@ -72,8 +89,8 @@ class RowsStep:
             s.dev.update(rows=torch.tensor(s.rows, dtype=torch.int64, device=dev), idx=s.idx.to(dev),
                          lens=self.rows.kv_len[s.rows].to(dev), sel=_sel(s.idx.reshape(-1), dev))  # fmt: skip
         for g in self.groups:
-            g.local = int(g.cache.slots_before(g.keep)[0])
-            g.sel = _sel(g.tokens.cpu(), dev)
+            g.ends = g.cache.slots_before(torch.tensor([g.keeps]))[0].tolist()
+            g.sels = [_sel(g.tokens[f:], dev) for f in g.first]
 
     def starts(self, window: int | None) -> tuple[list, list]:
         """Under a sliding window: each group's ``kv_start [1, m]`` and each shape's ``[n, T]``."""
@@ -81,7 +98,7 @@ class RowsStep:
             return [None] * len(self.groups), [None] * len(self.shapes)
         if window not in self._win:
             dev, lo = self.rows.device, self.q_pos - window + 1
-            gs = [g.cache.slots_before(lo[g.tokens.cpu()].reshape(1, -1)).to(dev) for g in self.groups]
+            gs = [g.cache.slots_before(lo[g.tokens].reshape(1, -1)) for g in self.groups]  # host: cut per segment
             ss = [self.rows.slots_before(s.rows, lo[s.idx]).to(dev) for s in self.shapes]
             self._win[window] = (gs, ss)
         return self._win[window]
@@ -109,17 +126,19 @@ class RowsStep:
                 o, l_ = row_state(qs, ks, vs, s.dev["lens"], st, scale, softcap)
             out[0, :, sel], lse[0, :, sel] = _flat(o), _flat(l_)
         for g, st in zip(self.groups, g_starts, strict=True):
-            t = g.sel
-            if ring:
-                kp, vp = _prefix(g, layer)
-                lens = torch.full((1,), g.local, device=q.device)
-                o, l_ = ring_decode(q[:, :, t], kp, vp, kv_lens=lens, kv_start=st, **kw)
-                o = o.to(acc)
-            elif g.local:
-                o, l_ = prefix_state(q[:, :, t], g, layer, st, scale, softcap)
-            else:
-                continue
-            _merge_at(out, lse, t, o, l_)
+            for j, a, b in g.segments():  # every rank the same segments (ring: the same calls)
+                t = g.sels[j]
+                sj = None if st is None else (st[:, g.first[j] :] - a).clamp(0, b - a).to(q.device)
+                if ring:
+                    kp, vp = _prefix(g, layer, a, b)
+                    lens = torch.full((1,), b - a, device=q.device)
+                    o, l_ = ring_decode(q[:, :, t], kp, vp, kv_lens=lens, kv_start=sj, **kw)
+                    o = o.to(acc)
+                elif b > a:
+                    o, l_ = prefix_state(q[:, :, t], g, layer, sj, scale, softcap, a, b)
+                else:
+                    continue
+                _merge_at(out, lse, t, o, l_)
         if ring:
             return out.to(q.dtype)
         out, lse = reduce_states(out, lse, group=self.group, strategy=self.strategy)
@@ -136,10 +155,10 @@ def row_state(q: Tensor, k: Tensor, v: Tensor, lens: Tensor, start, scale, softc
     return _attention(q, k, v, scale=scale, kv_lens=lens, kv_start=start, softcap=softcap, keep_fp32=True)
 
 
-def prefix_state(q: Tensor, g: PrefixGroup, layer: int, start, scale, softcap) -> tuple[Tensor, Tensor]:
-    """This rank's state of group ``g``'s tokens ``q [1, Hq, m, D]`` over its shard of their
-    prefix: one pass over the shard for all of them."""
-    kp, vp = _prefix(g, layer)
+def prefix_state(q: Tensor, g: PrefixGroup, layer: int, start, scale, softcap, a: int, b: int) -> tuple[Tensor, Tensor]:
+    """This rank's state of tokens ``q [1, Hq, m, D]`` of group ``g`` over its prefix slots
+    ``[a, b)``: one pass over them for all the tokens."""
+    kp, vp = _prefix(g, layer, a, b)
     return _attention(q, kp, vp, scale=scale, kv_start=start, softcap=softcap, keep_fp32=True)
 
 
@@ -160,8 +179,8 @@ def _merge_at(out: Tensor, lse: Tensor, sel: slice | Tensor, o: Tensor, l_: Tens
         out[:, :, sel], lse[:, :, sel] = merge_states(out[:, :, sel], lse[:, :, sel], o, l_)
 
 
-def _prefix(g: PrefixGroup, layer: int) -> tuple[Tensor, Tensor]:
-    return g.cache.k[layer][:, :, : g.local], g.cache.v[layer][:, :, : g.local]
+def _prefix(g: PrefixGroup, layer: int, a: int, b: int) -> tuple[Tensor, Tensor]:
+    return g.cache.k[layer][:, :, a:b], g.cache.v[layer][:, :, a:b]
 
 
 def _lines(x: Tensor, s: Shape) -> Tensor:

@@ -28,6 +28,15 @@ from .attention import AttnSwitch, TreeAttnCache
 from .session import Session
 
 
+def _group(cache, by_keep: dict[int, list[int]]) -> PrefixGroup:
+    """The tokens reading ``cache``, ``keep -> flat token indices``, as one group."""
+    keeps, tokens, first = sorted(by_keep), [], []
+    for k in keeps:
+        first.append(len(tokens))
+        tokens += by_keep[k]
+    return PrefixGroup(cache, keeps, torch.tensor(tokens, dtype=torch.int64), first)
+
+
 class _Lens:
     """What :class:`TreeAttnCache` reads of its store: layers and global lengths."""
 
@@ -152,16 +161,13 @@ class BatchRunner:
                 i, _, slots = self.rows.place(s.rows, 1)
                 rid = torch.tensor(s.rows, dtype=torch.int64)[i]
                 s.placed = (rid.to(self.device), slots.to(self.device), s.idx[i, 0].to(self.device))
-        groups: dict[tuple[int, int], list[int]] = {}
+        reads: dict[int, dict[int, list[int]]] = {}  # prefix -> keep -> the tokens reading that much of it
         for (r, t), x in zip(lines, last, strict=True):
             if self.row_prefix[r] is not None:
-                groups.setdefault((self.row_prefix[r], int(self.rows.start[r])), []).extend(
-                    range(x - len(t) + 1, x + 1)
-                )
-        ctx = RowsStep(self.rows, shapes, pos, [
-            PrefixGroup(self.prefixes[pid].cache, keep, torch.tensor(tok, device=self.device))
-            for (pid, keep), tok in groups.items()
-        ], self.kw.get("attention", "tree"), self.kw.get("strategy", "auto"), self.group)  # fmt: skip
+                by_keep = reads.setdefault(self.row_prefix[r], {})
+                by_keep.setdefault(int(self.rows.start[r]), []).extend(range(x - len(t) + 1, x + 1))
+        ctx = RowsStep(self.rows, shapes, pos, [_group(self.prefixes[pid].cache, rd) for pid, rd in reads.items()],
+                       self.kw.get("attention", "tree"), self.kw.get("strategy", "auto"), self.group)  # fmt: skip
         tc = TreeAttnCache(_Lens(self.rows.L, pos.min().reshape(1)))
         tc.ctx = ctx
         with self._switch():
