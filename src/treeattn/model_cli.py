@@ -87,6 +87,47 @@ def check_model(a: argparse.Namespace) -> tuple:
     return model_dir, cfg
 
 
+def check_draft_args(a: argparse.Namespace) -> None:
+    """``--speculate draft`` and ``--draft-model`` come together or not at all."""
+    if a.speculate == "draft" and not a.draft_model:
+        raise UsageError("--speculate draft needs --draft-model")
+    if a.draft_model and a.speculate != "draft":
+        raise UsageError("--draft-model is used by --speculate draft only")
+
+
+def check_draft_model(a: argparse.Namespace, cfg, model_dir: str | None) -> str | None:
+    """The directory of ``--draft-model`` (None: a preset), checked against the target's
+    config ``cfg`` (its vocabulary) and tokenizer before any rank starts."""
+    from transformers import AutoTokenizer
+
+    from .hf.presets import PRESETS, preset_config
+
+    if a.draft_model in PRESETS:
+        d, dcfg = None, preset_config(a.draft_model)
+    else:
+        try:
+            d, dcfg = model_config(a.draft_model)
+        except UsageError as e:
+            raise UsageError(str(e).replace("--model", "--draft-model", 1)) from e
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    dcfg = dcfg.get_text_config() if hasattr(dcfg, "get_text_config") else dcfg
+    if dcfg.vocab_size != cfg.vocab_size:
+        raise UsageError(
+            f"--draft-model {a.draft_model}: its vocabulary ({dcfg.vocab_size:,} tokens) differs from the model's "
+            f"({cfg.vocab_size:,}); a draft model needs the same tokenizer"
+        )
+    if d and model_dir:
+        kw = dict(local_files_only=True, trust_remote_code=False)
+        try:
+            same = AutoTokenizer.from_pretrained(d, **kw).get_vocab() == AutoTokenizer.from_pretrained(
+                model_dir, **kw).get_vocab()  # fmt: skip
+        except Exception:
+            same = True  # a model without a tokenizer: the vocabulary size was checked
+        if not same:
+            raise UsageError(f"--draft-model {a.draft_model}: its tokenizer differs from the model's")
+    return d
+
+
 def session_kwargs(a: argparse.Namespace) -> dict:
     """The Session keywords the parallelism arguments give."""
     return dict(placement=a.placement, attention=a.attention, strategy=a.strategy,

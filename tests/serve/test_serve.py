@@ -195,6 +195,56 @@ def test_engine_speculation_changes_no_answer(monkeypatch):
     check(_run(eng, jobs), eng)
 
 
+def test_engine_draft_model_changes_no_answer(monkeypatch):
+    """A draft model inside the batched step: four concurrent questions about one document
+    (greedy, seeded sampling, different lengths) give exactly the plain engine's answers, with
+    the target itself drafting (greedy drafts accepted) and with another random model (mostly
+    rejected), fixed and adaptive. The draft model runs the document once: the other requests
+    fork the first one's cache, and a second round reuses the idle caches."""
+    from treeattn.hf.speculative import DraftModel
+
+    model = _model()
+    other = build_model(MODEL, None, torch.float32, 7)[0]
+    g = torch.Generator().manual_seed(9)
+    doc = torch.randint(3, 500, (200,), generator=g).tolist()
+    jobs = []
+    for i in range(4):
+        q = torch.randint(3, 500, (3 + i,), generator=g).tolist()
+        kw = {} if i % 2 == 0 else {"temperature": 0.8, "seed": 40 + i}
+        jobs.append((doc + q, (12, 5, 9, 12)[i], None, kw))
+    kw = dict(prefill_chunk=16)
+    plain = _run(Engine(model, None, kw, cache_tokens=1000, max_batch=4), jobs)
+    ran = [0]
+    run = DraftModel._run
+
+    def counting(self, ids):
+        ran[0] += len(ids)
+        return run(self, ids)
+
+    monkeypatch.setattr(DraftModel, "_run", counting)
+    bound = len(doc) + sum(len(ids) - len(doc) + 3 * n for ids, n, *_ in jobs)  # the document once, then a few per token
+    for draft, fixed in ((model, True), (other, True), (model, False)):
+        eng = Engine(model, None, kw, cache_tokens=1000, max_batch=4, num_draft=4, fixed_draft=fixed, draft_model=draft)
+        for rnd in range(2 if fixed and draft is model else 1):
+            ran[0] = 0
+            spec = _run(eng, jobs)
+            for (ids, n, _, rkw), a, b in zip(jobs, plain, spec, strict=True):
+                assert (b["text"], b["finish_reason"]) == (a["text"], a["finish_reason"]), (fixed, rkw)
+                if not rkw:
+                    assert _ids_of(b["text"]) == [t for t in _reference(model, ids, n) if t != 2]
+            st = eng.stats
+            if fixed:
+                assert 0 < ran[0] <= (bound if rnd == 0 else bound - len(doc)), (ran[0], bound, rnd)
+                assert st["draft_tokens_offered"] > 0
+            if draft is model and fixed:
+                assert st["mean_accepted_length"] > 1.5, st
+        if draft is other:
+            assert st["draft_tokens_accepted"] < st["draft_tokens_offered"] / 2, st
+        assert len(eng.sched.drafters.busy) == 0 and 0 < len(eng.sched.drafters.idle) <= 4
+    with pytest.raises(ValueError, match="vocabulary"):
+        Engine(model, None, kw, num_draft=4, draft_model=build_model("small-llama", None, torch.float32, 0)[0])
+
+
 def test_engine_stop_ends_running_requests_and_frees_their_rows():
     """Stopping mid-answer: the running request gets a 503, its row closes on the engine, and
     a later serve() on the same engine starts clean and answers exactly."""
@@ -478,6 +528,12 @@ def test_cli_errors_before_any_rank_starts():
     assert r.returncode == 2 and "cannot listen on 127.0.0.1" in r.stderr, r.stderr
     r = serve("--cache-tokens", "-1")
     assert r.returncode == 2 and "--cache-tokens" in r.stderr.splitlines()[-1]
+    r = serve("--speculate", "draft")
+    assert r.returncode == 2 and "--speculate draft needs --draft-model" in r.stderr, r.stderr
+    r = serve("--draft-model", MODEL)
+    assert r.returncode == 2 and "--draft-model is used by --speculate draft only" in r.stderr, r.stderr
+    r = serve("--speculate", "draft", "--draft-model", "small-llama")  # another vocabulary
+    assert r.returncode == 2 and "its vocabulary" in r.stderr, r.stderr
 
 
 def _drain(stream) -> list:

@@ -86,7 +86,7 @@ class RowsStep:
     def __post_init__(self) -> None:
         dev = self.rows.device
         for s in self.shapes:
-            s.dev.update(rows=torch.tensor(s.rows, dtype=torch.int64, device=dev), idx=s.idx.to(dev),
+            s.dev.update(rows=_sel(torch.tensor(s.rows, dtype=torch.int64), dev), idx=s.idx.to(dev),
                          lens=self.rows.kv_len[s.rows].to(dev), sel=_sel(s.idx.reshape(-1), dev))  # fmt: skip
         for g in self.groups:
             g.ends = g.cache.slots_before(torch.tensor([g.keeps]))[0].tolist()

@@ -15,14 +15,14 @@ from .._argtypes import at_least
 from ..model_cli import (
     UsageError,
     add_model_args,
+    check_draft_args,
+    check_draft_model,
     check_model,
-    model_config,
     rank_model,
     run_ranks,
     say,
     session_kwargs,
 )
-from .presets import PRESETS, preset_config
 
 
 @dataclass
@@ -88,10 +88,7 @@ def prepare(a: argparse.Namespace) -> Job:
             raise UsageError(
                 "--penalty-alpha (contrastive search) is its own method: drop --sample, --speculate, --compare-single"
             )
-    if a.speculate == "draft" and not a.draft_model:
-        raise UsageError("--speculate draft needs --draft-model")
-    if a.draft_model and a.speculate != "draft":
-        raise UsageError("--draft-model is used by --speculate draft only")
+    check_draft_args(a)
     model_dir, cfg = check_model(a)
     tok = None
     if model_dir is not None and (a.prompt is not None or a.prompt_file is not None):
@@ -132,38 +129,8 @@ def prepare(a: argparse.Namespace) -> Job:
     if (a.speculate or a.penalty_alpha) and ids.shape[0] > 1:
         what = "--speculate" if a.speculate else "--penalty-alpha"
         raise UsageError(f"{what} decodes one sequence (batch 1), got a batch of {ids.shape[0]}")
-    draft_dir = _draft_dir(a, text_cfg, model_dir) if a.speculate == "draft" else None
+    draft_dir = check_draft_model(a, text_cfg, model_dir) if a.speculate == "draft" else None
     return Job(model_dir, ids, new, tok is not None, notes, draft_dir)
-
-
-def _draft_dir(a, text_cfg, model_dir: str | None) -> str | None:
-    """The draft model's directory (None: a preset), checked against the target's vocabulary
-    and tokenizer before any rank starts."""
-    from transformers import AutoTokenizer
-
-    if a.draft_model in PRESETS:
-        d, dcfg = None, preset_config(a.draft_model)
-    else:
-        try:
-            d, dcfg = model_config(a.draft_model)
-        except UsageError as e:
-            raise UsageError(str(e).replace("--model", "--draft-model", 1)) from e
-    dcfg = dcfg.get_text_config() if hasattr(dcfg, "get_text_config") else dcfg
-    if dcfg.vocab_size != text_cfg.vocab_size:
-        raise UsageError(
-            f"--draft-model {a.draft_model}: its vocabulary ({dcfg.vocab_size:,} tokens) differs from the model's "
-            f"({text_cfg.vocab_size:,}); a draft model needs the same tokenizer"
-        )
-    if d and model_dir:
-        kw = dict(local_files_only=True, trust_remote_code=False)
-        try:
-            same = AutoTokenizer.from_pretrained(d, **kw).get_vocab() == AutoTokenizer.from_pretrained(
-                model_dir, **kw).get_vocab()  # fmt: skip
-        except Exception:
-            same = True  # a model without a tokenizer: the vocabulary size was checked
-        if not same:
-            raise UsageError(f"--draft-model {a.draft_model}: its tokenizer differs from the model's")
-    return d
 
 
 def _check_fit(a, cfg, L: int, new: int, batch: int) -> None:

@@ -122,12 +122,7 @@ class DraftModel:
         return out.logits[0, -1].float()
 
     def _sync(self, history: list[int]) -> Tensor:
-        n = 0
-        for a, b in zip(self.ids, history, strict=False):
-            if a != b:
-                break
-            n += 1
-        n = min(n, len(history) - 1)  # the last token runs again: its logits are needed
+        n = min(self.common(history), len(history) - 1)  # the last token runs again: its logits are needed
         self._crop(n)
         self.ids = history[:]
         for a in range(n, len(history), self.chunk):  # a long document in chunks: bounded activations
@@ -159,6 +154,26 @@ class DraftModel:
             d.q, d.trials = torch.stack(qs), trials
         self._crop(len(hist))
         return d
+
+    def common(self, history: list[int]) -> int:
+        """Tokens of ``history`` this drafter's cache holds already (its common prefix)."""
+        n = 0
+        for a, b in zip(self.ids, history, strict=False):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def fork(self, n: int) -> DraftModel:
+        """A drafter of the same model whose cache starts as this one's first ``n`` tokens (a copy)."""
+        import copy
+
+        new = DraftModel(self.model)
+        new.sampler, new.chunk = self.sampler, self.chunk
+        n = min(n, len(self.ids), self.cache.get_seq_length())
+        new.cache, new.ids = copy.deepcopy(self.cache), self.ids[:n]
+        new._crop(n)
+        return new
 
     def _crop(self, n: int) -> None:
         cur = self.cache.get_seq_length()

@@ -14,7 +14,17 @@ from pathlib import Path
 import torch.distributed as dist
 
 from .._argtypes import at_least
-from ..model_cli import UsageError, add_model_args, check_model, rank_model, run_ranks, say, session_kwargs
+from ..model_cli import (
+    UsageError,
+    add_model_args,
+    check_draft_args,
+    check_draft_model,
+    check_model,
+    rank_model,
+    run_ranks,
+    say,
+    session_kwargs,
+)
 
 
 def prepare(a: argparse.Namespace) -> str | None:
@@ -22,9 +32,12 @@ def prepare(a: argparse.Namespace) -> str | None:
     on every rank); on the local launcher, a port in use is reported before anything loads."""
     if a.max_queue < 1:
         raise UsageError(f"--max-queue must be >= 1, got {a.max_queue}")
+    check_draft_args(a)
     if not dist.is_initialized():  # the local launcher (torchrun ranks prepare in their group)
         _listen(a.host, a.port).close()
-    return check_model(a)[0]
+    model_dir, cfg = check_model(a)
+    a.draft_dir = check_draft_model(a, cfg, model_dir) if a.speculate == "draft" else None
+    return model_dir
 
 
 def model_name(a: argparse.Namespace) -> str:
@@ -52,8 +65,12 @@ def worker(a: argparse.Namespace, model_dir: str | None, local: bool) -> None:
     if local:  # the launcher owns Ctrl-C: it stops every rank
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     model, tok = rank_model(a, model_dir)
+    draft = None
+    if a.speculate == "draft" and rank == 0:  # it drafts on rank 0 only
+        draft = rank_model(a, a.draft_dir, a.draft_model)[0]
     engine = Engine(model, None, session_kwargs(a), a.cache_tokens, max_batch=a.max_batch,
-                    num_draft=a.num_draft_tokens if a.speculate else 0, fixed_draft=a.fixed_draft)  # fmt: skip
+                    num_draft=a.num_draft_tokens if a.speculate else 0, fixed_draft=a.fixed_draft,
+                    draft_model=draft)  # fmt: skip
     if rank:
         engine.follow()
         return
@@ -119,10 +136,12 @@ def add_parser(sub) -> None:
     )
     g.add_argument("--max-batch", type=at_least(1), default=8,
                    help="requests that run at once, batched into one forward per step (default 8; 1: one at a time)")  # fmt: skip
-    g.add_argument("--speculate", choices=["prompt-lookup"], default=None,
+    g.add_argument("--speculate", choices=["prompt-lookup", "draft"], default=None,
                    help="speculative decoding inside the batched step: each request drafts from its own prompt and "
-                   "answer (a document it quotes), as deep as measured step costs and its acceptance make worth it; "
-                   "answers unchanged")  # fmt: skip
+                   "answer (prompt-lookup: a document it quotes) or from a --draft-model run on rank 0, as deep as "
+                   "measured step costs and its acceptance make worth it; answers unchanged")  # fmt: skip
+    g.add_argument("--draft-model", help="the draft model of --speculate draft (same kinds of path as --model, or a "
+                   "preset); it needs the model's tokenizer, and keeps a KV cache per drafting request on rank 0")  # fmt: skip
     g.add_argument("--num-draft-tokens", type=at_least(1), default=5,
                    help="with --speculate: the most tokens a request drafts per step (default 5)")  # fmt: skip
     g.add_argument("--fixed-draft", action="store_true", help="with --speculate: every draft found, as deep as it "

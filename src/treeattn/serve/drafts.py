@@ -1,8 +1,9 @@
 """Speculative decoding inside the batched step (rank 0's side).
 
-Each decoding request may draft a chain from its own prompt and answer (prompt lookup: the
-continuation of the latest n-gram found earlier, so a question about a document drafts from
-the document). Its line in the step's forward is then its pending token followed by the
+Each decoding request may draft a chain: by prompt lookup, from its own prompt and answer
+(the continuation of the latest n-gram found earlier, so a question about a document drafts
+from the document), or from a draft model (a smaller LM with the same tokenizer, run on rank
+0 alone, greedy). Its line in the step's forward is then its pending token followed by the
 draft, with logits at every token; the target's own choice at each position (greedy, or one
 draw of the request's sampler) is emitted while it matches the draft, plus the first
 mismatch or the token after a fully accepted draft. One choice per emitted token, made
@@ -10,25 +11,69 @@ exactly as without speculation: answers are identical to plain decoding's, greed
 sampling alike. The rejected tokens are trimmed from the row at the next step.
 
 How deep each request drafts: a draft of ``d`` tokens with per-position acceptance ``a``
-brings ``1 + a + ... + a^d`` tokens in expectation, and makes the whole step wider. The
-batch's step time by its token count ``N`` is measured as the server runs (decode-only steps;
-until a second width is measured each extra token is assumed to cost half a one-token
-step's share); rows are taken best evidence first, and a row drafts ``d`` tokens only if the
-batch's expected tokens per second rise by :data:`MARGIN`. The
-acceptance of each request is tracked per n-gram length of its matches
-(:class:`~treeattn.hf._draft_policy.DraftPolicy`'s counts: sceptical of 1-gram matches, recent
-steps weighing most), starting from what the server's earlier drafts did; a request that
+brings ``1 + a + ... + a^d`` tokens in expectation, and makes the whole step wider (and, with
+a draft model, costs ``d`` draft forwards on rank 0 while the other ranks wait). The batch's
+step time by its token count ``N`` is measured as the server runs (decode-only steps; until a
+second width is measured each extra token is assumed to cost half a one-token step's share),
+and so is a draft model's time per drafted token; rows are taken best evidence first, and a
+row drafts ``d`` tokens only if the batch's expected tokens per second rise by
+:data:`MARGIN`. The acceptance of each request is tracked per kind of evidence (prompt
+lookup: the n-gram length of its matches; a draft model: one kind), in
+:class:`~treeattn.hf._draft_policy.DraftPolicy`'s counts: sceptical of 1-gram matches, recent
+steps weighing most, starting from what the server's earlier drafts did; a request that
 stopped drafting gets a one-token probe now and then.
+
+A draft model keeps a KV cache per request (:class:`DraftPool`): a request takes the idle
+cache that shares the longest prefix with its sequence, or a copy of a running one's when
+that shares more (the questions about one document prefill the document once in the draft
+model), and gives it back when it ends.
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..hf._draft_policy import _BETA0, _PROBE, DraftPolicy
-from ..hf.speculative import PromptLookup
+from ..hf.speculative import DraftModel, PromptLookup
 
 MARGIN = 0.1  # a draft must promise the batch 10 % more tokens per second: its acceptance is an optimistic guess
+MODEL = "model"  # the kind of a draft model's drafts
+_SYNC_MAX = 8  # a drafting call that first ran more new tokens than this (a prompt) is not timed as drafting
+
+
+class DraftPool:
+    """A draft model's KV caches, one per drafting request (rank 0): at most ``keep`` idle
+    ones are kept for later requests."""
+
+    def __init__(self, model: torch.nn.Module, keep: int) -> None:
+        self.model, self.keep = model, keep
+        self.idle: list[DraftModel] = []
+        self.busy: list[DraftModel] = []
+
+    def take(self, history: list[int]) -> DraftModel:
+        """The cache for a request whose sequence is ``history``: the idle one sharing most of
+        it, a copy of a running one's where that shares more, else a new one."""
+        best_idle = max(self.idle, key=lambda d: d.common(history), default=None)
+        best_busy = max(self.busy, key=lambda d: d.common(history), default=None)
+        n_idle = best_idle.common(history) if best_idle is not None else 0
+        n_busy = best_busy.common(history) if best_busy is not None else 0
+        if best_busy is not None and n_busy > n_idle:
+            d = best_busy.fork(n_busy)
+        elif best_idle is not None and n_idle:
+            self.idle.remove(best_idle)
+            d = best_idle
+        else:
+            d = self.idle.pop(0) if len(self.idle) >= self.keep else DraftModel(self.model)
+        self.busy.append(d)
+        return d
+
+    def give(self, d: DraftModel) -> None:
+        """A request ended: its cache may serve a later one."""
+        self.busy.remove(d)
+        self.idle.append(d)
+        del self.idle[: max(0, len(self.idle) - self.keep)]  # the oldest go
 
 
 class RowDrafts:
@@ -36,14 +81,16 @@ class RowDrafts:
     ``pool``: the server's acceptance so far, which a new request starts from (what earlier
     requests' drafts did is the best prior of what this one's will do)."""
 
-    def __init__(self, k_max: int, pool: DraftPolicy | None = None) -> None:
+    def __init__(self, k_max: int, pool: DraftPolicy | None = None, drafters: DraftPool | None = None) -> None:
         self.policy, self.pool = DraftPolicy(k_max), pool
         if pool is not None:
             self.policy.counts = {kind: list(c) for kind, c in pool.counts.items()}
         self.lookup = PromptLookup()
+        self.drafters, self.model = drafters, None  # with a draft model: the pool, and this request's cache
         self.k_max = k_max
         self.idle = 0  # steps since it last drafted
         self.offered = self.accepted = self.verified = 0  # tokens offered, accepted; steps that verified
+        self._offer: list[int] = []
 
     def candidate(self, history: list[int], cap: int) -> tuple[list[int], int]:
         """(the longest draft prompt lookup offers within ``cap``, the n-gram length it matched)."""
@@ -51,6 +98,36 @@ class RowDrafts:
             return [], 0
         d = self.lookup.propose(torch.tensor(history, dtype=torch.int64), min(cap, self.k_max), 1)
         return d.tokens, d.match
+
+    def offer(self, history: list[int], cap: int) -> tuple[int, object]:
+        """(how deep this request may draft now, the kind of evidence); :meth:`draft` then gives
+        the tokens. Prompt lookup finds its draft here; a draft model drafts only in :meth:`draft`."""
+        if self.drafters is not None:
+            return (min(cap, self.k_max), MODEL) if cap >= 1 else (0, MODEL)
+        self._offer, kind = self.candidate(history, cap)
+        return len(self._offer), kind
+
+    def draft(self, history: list[int], d: int, batch: BatchDrafts | None = None) -> list[int]:
+        """The first ``d`` tokens of this request's draft after ``history`` (a draft model's
+        time per drafted token goes to ``batch``'s cost model)."""
+        if d < 1:
+            return []
+        if self.drafters is None:
+            return self._offer[:d]
+        if self.model is None:
+            self.model = self.drafters.take(history)
+        fresh = len(history) - self.model.common(history)
+        t = time.perf_counter()
+        toks = self.model.propose(torch.tensor(history, dtype=torch.int64), d, 1).tokens
+        if batch is not None and fresh <= _SYNC_MAX:
+            batch.observe_drafting(len(toks), time.perf_counter() - t)
+        return toks
+
+    def release(self) -> None:
+        """The request ended: its draft model cache goes back to the pool."""
+        if self.model is not None:
+            self.drafters.give(self.model)
+            self.model = None
 
     def expected(self, kind: int, d: int) -> float:
         a = self.policy.alpha(kind)
@@ -73,10 +150,16 @@ class BatchDrafts:
         self.cost: dict[int, float] = {}  # tokens in a decode-only step -> EMA seconds
         self.fixed = fixed
         self.pool = DraftPolicy(1)  # acceptance by evidence over every request (its counts only)
+        self.draft_s = 0.0  # a draft model's EMA seconds per drafted token (0: none measured yet)
 
     def observe_step(self, n: int, seconds: float) -> None:
         old = self.cost.get(n)
         self.cost[n] = seconds if old is None else 0.7 * old + 0.3 * seconds
+
+    def observe_drafting(self, tokens: int, seconds: float) -> None:
+        if tokens:
+            s = seconds / tokens
+            self.draft_s = s if not self.draft_s else 0.7 * self.draft_s + 0.3 * s
 
     def step_cost(self, n: int) -> float | None:
         """Estimated seconds of a decode-only step of ``n`` tokens (None: nothing measured)."""
@@ -97,30 +180,33 @@ class BatchDrafts:
         (t,) = known
         return self.cost[t] * max(1.0 + _BETA0 * (n - t) / t, 1e-3)
 
-    def choose(self, rows: int, cands: list[tuple[RowDrafts, list[int], int]]) -> list[int]:
-        """Draft depths for ``cands`` ((request, its candidate draft, match length)) in a step
-        of ``rows`` decoding requests: a depth only where the batch's tokens per second gain."""
+    def choose(self, rows: int, cands: list[tuple[RowDrafts, int, object]]) -> list[int]:
+        """Draft depths for ``cands`` ((request, how deep it may draft, its kind of evidence)) in
+        a step of ``rows`` decoding requests: a depth only where the batch's tokens per second
+        gain (a draft model's drafting time counted in)."""
         if self.fixed:
-            return [len(c[1]) for c in cands]
+            return [c[1] for c in cands]
         depth = [0] * len(cands)
         if self.step_cost(rows) is None:  # a plain step first: the yardstick
             return depth
-        n, tokens = rows, float(rows)
+        n, tokens, drafting = rows, float(rows), 0.0
         order = sorted(range(len(cands)), key=lambda i: -cands[i][0].policy.alpha(cands[i][2]))
         for i in order:
-            rd, draft, kind = cands[i]
-            best, best_v = 0, tokens / self.step_cost(n) * (1.0 + MARGIN)
-            for d in range(1, len(draft) + 1):
-                v = (tokens - 1.0 + rd.expected(kind, d)) / self.step_cost(n + d)
+            rd, cap, kind = cands[i]
+            per = self.draft_s if kind == MODEL else 0.0
+            best, best_v = 0, tokens / (self.step_cost(n) + drafting) * (1.0 + MARGIN)
+            for d in range(1, cap + 1):
+                v = (tokens - 1.0 + rd.expected(kind, d)) / (self.step_cost(n + d) + drafting + d * per)
                 if v > best_v:
                     best, best_v = d, v
-            if best == 0 and draft and rd.idle + 1 >= _PROBE:  # a probe: acceptance may have changed
+            if best == 0 and cap and rd.idle + 1 >= _PROBE:  # a probe: acceptance may have changed
                 best = 1
             rd.idle = 0 if best else rd.idle + 1
             if best:
                 depth[i] = best
                 n += best
                 tokens += rd.expected(kind, best) - 1.0
+                drafting += best * per
         return depth
 
 

@@ -50,16 +50,24 @@ class Engine:
         heartbeat: seconds between idle broadcasts (they keep the other ranks' collectives
             within their timeout and find a dead rank while nothing is asked).
         max_batch: requests that run at once; more wait in the queue.
-        num_draft: with speculation (prompt lookup), the most tokens a request drafts per step
-            (0: no speculation); see :mod:`treeattn.serve.drafts`. ``fixed_draft``: every
-            draft prompt lookup finds, as deep as it goes (default: as deep as measured step
-            costs and acceptance make worth it).
+        num_draft: with speculation, the most tokens a request drafts per step (0: no
+            speculation); see :mod:`treeattn.serve.drafts`. ``fixed_draft``: every draft as
+            deep as it goes (default: as deep as measured step costs and acceptance make
+            worth it).
+        draft_model: rank 0's draft model (a causal LM with the model's vocabulary; ignored on
+            the other ranks): with ``num_draft``, requests draft from it instead of by
+            prompt lookup.
     """
 
     def __init__(self, model, group=None, session_kw: dict | None = None, cache_tokens: int = 32768,
                  heartbeat: float = 1.0, max_batch: int = 8, num_draft: int = 0,
-                 fixed_draft: bool = False) -> None:  # fmt: skip
+                 fixed_draft: bool = False, draft_model=None) -> None:  # fmt: skip
         self.model, self.group, self.kw = model, group, dict(session_kw or {})
+        self.draft_model = draft_model if num_draft else None
+        if self.draft_model is not None:
+            dv = self.draft_model.config.get_text_config().vocab_size
+            if dv != model.config.get_text_config().vocab_size:
+                raise ValueError(f"the draft model's vocabulary ({dv}) differs from the model's")
         self.vocab: int = model.config.vocab_size
         self.rank, self.p = world(group)
         self.cache_tokens, self.heartbeat, self.max_batch = cache_tokens, heartbeat, max_batch

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..hf.sampler import Sampler
-from .drafts import BatchDrafts, RowDrafts, verify
+from .drafts import BatchDrafts, DraftPool, RowDrafts, verify
 from .plan import Plan
 from .request import BadRequest, Request, first_stop, safe_prefix
 
@@ -93,6 +93,7 @@ class Scheduler:
         self.trimming: list[tuple[int, int]] = []  # (row, own tokens kept) for the next plan
         self.closing: list[tuple[int, int]] = []  # (row, adopt) for the next plan
         self.batch_drafts = BatchDrafts(engine.fixed_draft)
+        self.drafters = DraftPool(engine.draft_model, engine.max_batch) if engine.draft_model is not None else None
         self.dropping: list[int] = []
         self.building: dict[int, int] = {}  # prefix being prefilled -> its KV tokens per rank when done
         self.used: dict[int, int] = {}  # prefix -> last use (a clock of admissions)
@@ -156,7 +157,7 @@ class Scheduler:
         row = self.free.pop(0)
         job = Job(req, row, pid, keep, keep, reserve=reserve)
         if e.num_draft:
-            job.drafts = RowDrafts(e.num_draft, self.batch_drafts.pool)
+            job.drafts = RowDrafts(e.num_draft, self.batch_drafts.pool, self.drafters)
         if new:
             pid = job.pid = self.next_pid
             self.next_pid += 1
@@ -227,12 +228,12 @@ class Scheduler:
             j.draft = []
         cands = []
         for j in (j for j in dec if j.drafts is not None):
-            draft, kind = j.drafts.candidate(j.req.ids + j.out, j.req.max_tokens - len(j.out) - 1)
-            if draft:
-                cands.append((j, draft, kind))
-        depth = self.batch_drafts.choose(len(dec), [(j.drafts, d, k) for j, d, k in cands])
-        for (j, draft, kind), d in zip(cands, depth, strict=True):
-            j.draft, j.kind = draft[:d], kind
+            cap, kind = j.drafts.offer(j.req.ids + j.out, j.req.max_tokens - len(j.out) - 1)
+            if cap:
+                cands.append((j, cap, kind))
+        depth = self.batch_drafts.choose(len(dec), [(j.drafts, c, k) for j, c, k in cands])
+        for (j, _, kind), d in zip(cands, depth, strict=True):
+            j.draft, j.kind = j.drafts.draft(j.req.ids + j.out, d, self.batch_drafts), kind
 
     def after(self, p: Plan, logits, seconds: float = 0.0) -> None:
         """Sample what the step produced; end the requests that finish. ``seconds``: what the
@@ -284,6 +285,8 @@ class Scheduler:
     def _end(self, j: Job) -> None:
         e = self.e
         self.jobs.remove(j)
+        if j.drafts is not None:
+            j.drafts.release()
         if j.opened:
             self.closing.append((j.row, int(j.finish not in ("error",) and e.cache_tokens > 0)))
         self.free.append(j.row)
