@@ -9,8 +9,9 @@ alike): 1, 2, 4 and 8 concurrent clients each asking a different question (token
 per-stream ms/token, answers against their answers alone) and a late joiner (the 8th question
 asked once 7 others stream: its time to first token); medians over the rounds, peak memory
 per rank (VmHWM of each rank process) and the peak KV tokens per rank (``/health``). Then 4
-clients asking questions whose answers quote the document, on the batched server with and
-without ``--speculate prompt-lookup``, the same way. Then, in one process group, where a
+clients asking questions whose answers quote the document, on the batched server without
+speculation, with ``--speculate prompt-lookup`` and with ``--speculate draft`` (the model as
+its own draft model), the same way. Then, in one process group, where a
 batched decode step's time goes per rank with 1, 2, 4 and 8 rows reading the document, with
 the model's own nn.Linear and with packed linears (the CLI's default,
 :mod:`treeattn.hf.linear`): linear layers (weights), the shared-prefix attention, the rows'
@@ -204,13 +205,16 @@ def serve_runs(a, gguf: str, doc: str) -> None:
 
 
 def speculate_runs(a, gguf: str, doc: str) -> None:
-    """4 concurrent clients asking quoting questions: the batched server with and without
-    ``--speculate prompt-lookup``, both up at once (the idle one only sends heartbeats) and
-    taking turns, round after round, so that the machine's drift falls on both alike."""
+    """4 concurrent clients asking quoting questions: the batched server without speculation,
+    with ``--speculate prompt-lookup`` and with ``--speculate draft`` (the model drafting for
+    itself: no smaller model with its tokenizer ships here), all up at once (the idle ones only
+    send heartbeats) and taking turns, round after round, so that the machine's drift falls on
+    all alike."""
     import openai
 
     texts = [doc + q for q in QUOTES]
-    labels = {"plain": (), "prompt lookup": ("--speculate", "prompt-lookup")}
+    labels = {"plain": (), "prompt lookup": ("--speculate", "prompt-lookup"),
+              "draft model (= the model)": ("--speculate", "draft", "--draft-model", gguf)}  # fmt: skip
     servers, clients, alone, rates, same = {}, {}, {}, {k: [] for k in labels}, dict.fromkeys(labels, 0)
     for label, extra in labels.items():
         s = servers[label] = Server(gguf, a.nproc, "--max-batch", "8", *extra)
@@ -235,12 +239,13 @@ def speculate_runs(a, gguf: str, doc: str) -> None:
         print(f"| {label} | {', '.join(f'{x:.1f}' for x in rates[label])} | {median(rates[label]):.1f} | "
               f"{same[label]}/{4 * a.rounds} | {h['mean_accepted_length']:.2f} | {h['draft_tokens_accepted']:,} / "
               f"{h['draft_tokens_offered']:,} |")  # fmt: skip
-    ratios = [y / x for x, y in zip(rates["plain"], rates["prompt lookup"], strict=True)]
-    print("\ndecode-only step seconds by tokens in the step (EMA, as the speculating server measured them): "
+    print("\ndecode-only step seconds by tokens in the step (EMA, as the prompt-lookup server measured them): "
           + ", ".join(f"{n}: {t:.3f}" for n, t in health["prompt lookup"]["decode_step_seconds"].items()))  # fmt: skip
-    print(f"\nprompt lookup / plain, tokens/s, round by round: {', '.join(f'{x:.2f}x' for x in ratios)} (median "
-          f"{median(ratios):.2f}x); answers alone identical with and without: "
-          f"{sum(x['text'] == y['text'] for x, y in zip(alone['plain'], alone['prompt lookup'], strict=True))}/4")  # fmt: skip
+    for label in list(labels)[1:]:
+        ratios = [y / x for x, y in zip(rates["plain"], rates[label], strict=True)]
+        print(f"\n{label} / plain, tokens/s, round by round: {', '.join(f'{x:.2f}x' for x in ratios)} (median "
+              f"{median(ratios):.2f}x); answers alone identical with and without: "
+              f"{sum(x['text'] == y['text'] for x, y in zip(alone['plain'], alone[label], strict=True))}/4")  # fmt: skip
 
 
 def breakdown_worker(model_dir: str, prompts: list[list[int]], steps: int) -> None:
