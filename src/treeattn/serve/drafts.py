@@ -114,12 +114,13 @@ class RowDrafts:
             return []
         if self.drafters is None:
             return self._offer[:d]
-        if self.model is None:
+        first = self.model is None
+        if first:
             self.model = self.drafters.take(history)
         fresh = len(history) - self.model.common(history)
         t = time.perf_counter()
         toks = self.model.propose(torch.tensor(history, dtype=torch.int64), d, 1).tokens
-        if batch is not None and fresh <= _SYNC_MAX:
+        if batch is not None and not (first and fresh > _SYNC_MAX):  # catching up counts, not the prompt
             batch.observe_drafting(len(toks), time.perf_counter() - t)
         return toks
 
@@ -180,6 +181,12 @@ class BatchDrafts:
         (t,) = known
         return self.cost[t] * max(1.0 + _BETA0 * (n - t) / t, 1e-3)
 
+    def _probe_pays(self, rd: RowDrafts, per: float, rows: int) -> bool:
+        """Whether a one-token probe is cheap: always for prompt lookup; for a draft model, whose
+        probe first catches up with every token since it last drafted (about a drafted
+        token's time each), only while that stays within 5 % of the steps it waited."""
+        return per * (rd.idle + 1) <= 0.05 * rd.idle * self.step_cost(rows)
+
     def choose(self, rows: int, cands: list[tuple[RowDrafts, int, object]]) -> list[int]:
         """Draft depths for ``cands`` ((request, how deep it may draft, its kind of evidence)) in
         a step of ``rows`` decoding requests: a depth only where the batch's tokens per second
@@ -199,8 +206,8 @@ class BatchDrafts:
                 v = (tokens - 1.0 + rd.expected(kind, d)) / (self.step_cost(n + d) + drafting + d * per)
                 if v > best_v:
                     best, best_v = d, v
-            if best == 0 and cap and rd.idle + 1 >= _PROBE:  # a probe: acceptance may have changed
-                best = 1
+            if best == 0 and cap and rd.idle + 1 >= _PROBE and self._probe_pays(rd, per, rows):
+                best = 1  # a probe: acceptance may have changed
             rd.idle = 0 if best else rd.idle + 1
             if best:
                 depth[i] = best

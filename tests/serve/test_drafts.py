@@ -1,0 +1,79 @@
+"""The server's drafting decisions (treeattn.serve.drafts), without a server: how deep each
+request drafts from measured step costs, acceptance and a draft model's drafting time, and
+the draft model's per-request caches (taken, forked, given back, bounded)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from treeattn.hf._draft_policy import _PROBE  # noqa: E402
+from treeattn.hf.presets import build_model  # noqa: E402
+from treeattn.hf.speculative import DraftModel  # noqa: E402
+from treeattn.serve.drafts import MODEL, BatchDrafts, DraftPool, RowDrafts  # noqa: E402
+
+
+def _confident(kind) -> RowDrafts:
+    rd = RowDrafts(5)
+    for _ in range(20):
+        rd.observe(kind, 5, 5)  # every drafted token accepted
+    return rd
+
+
+def test_choose_weighs_step_costs_acceptance_and_drafting_time():
+    b = BatchDrafts()
+    rd = _confident(3)
+    assert b.choose(2, [(rd, 5, 3)]) == [0]  # nothing measured: a plain step first
+    for n in range(1, 12):
+        b.observe_step(n, 0.1 + 0.001 * n)  # wide steps cost next to nothing
+    assert b.choose(2, [(rd, 5, 3)]) == [5]
+    weak = RowDrafts(5)
+    for _ in range(20):
+        weak.observe(3, 5, 0)  # every draft rejected
+    assert b.choose(2, [(weak, 5, 3)]) == [0]
+    # a draft model: the same acceptance pays while drafting is cheap, not when it costs more than it brings
+    m = _confident(MODEL)
+    assert b.choose(2, [(m, 5, MODEL)]) == [5]
+    b.observe_drafting(5, 5.0)  # 1 s per drafted token against 0.1 s per step
+    assert b.choose(2, [(m, 5, MODEL)]) == [0]
+    # a kind given up on gets a one-token probe now and then; a draft model too expensive to
+    # catch up with does not
+    assert [1] in [b.choose(2, [(weak, 5, 3)]) for _ in range(_PROBE + 1)]
+    assert all(b.choose(2, [(m, 5, MODEL)]) == [0] for _ in range(3 * _PROBE))
+    b.observe_drafting(5, 0.005)  # the EMA comes back down as drafting gets cheap
+    for _ in range(30):
+        b.observe_drafting(5, 0.005)
+    assert b.choose(2, [(m, 5, MODEL)]) == [5]
+    assert BatchDrafts(fixed=True).choose(2, [(weak, 4, 3), (m, 2, MODEL)]) == [4, 2]
+
+
+def test_draft_pool_forks_reuses_and_bounds_its_caches():
+    model = build_model("tiny-llama", None, torch.float32, 0)[0]
+    pool = DraftPool(model, keep=2)
+    doc = list(range(3, 60))
+    a = pool.take(doc + [7, 8])
+    a.propose(torch.tensor(doc + [7, 8]), 3, 1)
+    assert a.ids == doc + [7, 8] and a.cache.get_seq_length() == len(doc) + 2
+    b = pool.take(doc + [9])  # shares the document with a running request's cache: a copy of it
+    assert b is not a and b.ids == doc and b.cache.get_seq_length() == len(doc)
+    assert a.cache.get_seq_length() == len(doc) + 2  # the original is untouched
+    want = DraftModel(model).propose(torch.tensor(doc + [9]), 3, 1).tokens  # the same draft as a cold cache
+    assert b.propose(torch.tensor(doc + [9]), 3, 1).tokens == want
+    pool.give(a)
+    pool.give(b)
+    assert pool.busy == [] and len(pool.idle) == 2
+    c = pool.take(doc + [9, 5])  # the idle cache sharing the most
+    assert c is b
+    d = pool.take([1, 2, 3])  # shares nothing: a new cache
+    assert d is not a and d.ids == []
+    pool.give(c)
+    pool.give(d)
+    assert len(pool.idle) == 2 and a not in pool.idle  # at most keep idle ones, the oldest go
+    rd = RowDrafts(4, drafters=pool)
+    assert rd.offer(doc, 3) == (3, MODEL) and rd.offer(doc, 9) == (4, MODEL) and rd.offer(doc, 0) == (0, MODEL)
+    assert rd.draft(doc, 0) == [] and rd.model is None  # nothing drafted: no cache taken
+    assert len(rd.draft(doc, 2)) == 2 and rd.model in pool.busy
+    rd.release()
+    assert rd.model is None and pool.busy == []
