@@ -548,14 +548,17 @@ def _drain(stream) -> list:
 
 
 def test_batch_faults_hang_up_and_rank_killed():
-    """Under a batch of three streams (``--max-batch 3``, a fourth request queued): a client
-    that hangs up frees its row at the next step while the others finish exactly; then a rank
-    dies mid-batch: every running and queued client gets an error (or its connection closes),
-    /health says failed, the server exits with the cause, and no process is left."""
+    """Under a batch of three streams (``--max-batch 3``, a fourth request queued), with a draft
+    model drafting for each (the model itself, fixed depth: the CLI's draft path across ranks):
+    a client that hangs up frees its row at the next step while the others finish exactly;
+    then a rank dies mid-batch: every running and queued client gets an error (or its
+    connection closes), /health says failed, the server exits with the cause, and no process
+    is left."""
     import os
 
     s = Server("--preset", MODEL, "--nproc", "2", "--collective-timeout", "30", "--max-batch", "3",
-               "--prefill-chunk", "8", "--cache-tokens", "0")  # fmt: skip
+               "--prefill-chunk", "8", "--cache-tokens", "0", "--speculate", "draft", "--draft-model", MODEL,
+               "--fixed-draft")  # fmt: skip
     try:
         model = _model()
         prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
@@ -573,6 +576,7 @@ def test_batch_faults_hang_up_and_rank_killed():
             time.sleep(0.1)
         h = s.request("GET", "/health")[1]
         assert h["cancelled"] == 1 and h["running"] == 0 and h["status"] == "ok", h
+        assert h["draft_tokens_accepted"] > 0 and h["mean_accepted_length"] > 1.5, h
 
         ranks = s.ranks()
         tree = set(ranks) | {s.proc.pid}
