@@ -42,6 +42,8 @@ def test_choose_weighs_step_costs_acceptance_and_drafting_time():
     # catch up with does not
     assert [1] in [b.choose(2, [(weak, 5, 3)]) for _ in range(_PROBE + 1)]
     assert all(b.choose(2, [(m, 5, MODEL)]) == [0] for _ in range(3 * _PROBE))
+    # ... until its probe's cost (two drafted tokens: 2 s) is 5 % of the steps waited (0.1 s each)
+    assert [1] in [b.choose(2, [(m, 5, MODEL)]) for _ in range(420)]
     b.observe_drafting(5, 0.005)  # the EMA comes back down as drafting gets cheap
     for _ in range(30):
         b.observe_drafting(5, 0.005)
@@ -49,31 +51,42 @@ def test_choose_weighs_step_costs_acceptance_and_drafting_time():
     assert BatchDrafts(fixed=True).choose(2, [(weak, 4, 3), (m, 2, MODEL)]) == [4, 2]
 
 
-def test_draft_pool_forks_reuses_and_bounds_its_caches():
+def test_draft_pool_forks_reuses_and_bounds_its_caches(monkeypatch):
     model = build_model("tiny-llama", None, torch.float32, 0)[0]
-    pool = DraftPool(model, keep=2)
+    pool = DraftPool(model, tokens=118)
     doc = list(range(3, 60))
     a = pool.take(doc + [7, 8])
     a.propose(torch.tensor(doc + [7, 8]), 3, 1)
     assert a.ids == doc + [7, 8] and a.cache.get_seq_length() == len(doc) + 2
-    b = pool.take(doc + [9])  # shares the document with a running request's cache: a copy of it
+    b = pool.take(doc + [9])  # shares the document with a running request's cache: a copy of that part
     assert b is not a and b.ids == doc and b.cache.get_seq_length() == len(doc)
     assert a.cache.get_seq_length() == len(doc) + 2  # the original is untouched
     want = DraftModel(model).propose(torch.tensor(doc + [9]), 3, 1).tokens  # the same draft as a cold cache
     assert b.propose(torch.tensor(doc + [9]), 3, 1).tokens == want
     pool.give(a)
     pool.give(b)
-    assert pool.busy == [] and len(pool.idle) == 2
+    assert pool.busy == [] and len(pool.idle) == 2 and pool.held() == 59 + 58
     c = pool.take(doc + [9, 5])  # the idle cache sharing the most
     assert c is b
-    d = pool.take([1, 2, 3])  # shares nothing: a new cache
-    assert d is not a and d.ids == []
+    d = pool.take([1, 2, 3])  # shares nothing: a new cache, room made by dropping the oldest idle one
+    assert d is not a and d.ids == [] and pool.idle == []
+    assert pool.take(list(range(200))) is None  # no room for another 200 tokens beside the running ones
     pool.give(c)
     pool.give(d)
-    assert len(pool.idle) == 2 and a not in pool.idle  # at most keep idle ones, the oldest go
+    assert pool.held() <= 118 and set(pool.idle) == {c, d}
     rd = RowDrafts(4, drafters=pool)
     assert rd.offer(doc, 3) == (3, MODEL) and rd.offer(doc, 9) == (4, MODEL) and rd.offer(doc, 0) == (0, MODEL)
+    assert rd.offer(list(range(pool.max_pos - 2)), 4) == (2, MODEL)  # within the draft model's positions
     assert rd.draft(doc, 0) == [] and rd.model is None  # nothing drafted: no cache taken
     assert len(rd.draft(doc, 2)) == 2 and rd.model in pool.busy
     rd.release()
     assert rd.model is None and pool.busy == []
+    # a draft model that raises (rank 0 alone): that request stops drafting, its cache is forgotten
+    rd = RowDrafts(4, drafters=pool)
+
+    def broken(self, *a, **k):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(DraftModel, "propose", broken)
+    assert rd.draft(doc, 2) == [] and rd.failed and rd.model is None and pool.busy == []
+    assert rd.offer(doc, 3) == (0, MODEL)

@@ -93,12 +93,16 @@ class RowsStep:
             g.sels = [_sel(g.tokens[f:], dev) for f in g.first]
 
     def starts(self, window: int | None) -> tuple[list, list]:
-        """Under a sliding window: each group's ``kv_start [1, m]`` and each shape's ``[n, T]``."""
+        """Under a sliding window: each group's ``kv_start`` per segment (``[1, m_j]``, relative to
+        the segment) and each shape's ``[n, T]``."""
         if window is None:
             return [None] * len(self.groups), [None] * len(self.shapes)
         if window not in self._win:
             dev, lo = self.rows.device, self.q_pos - window + 1
-            gs = [g.cache.slots_before(lo[g.tokens].reshape(1, -1)) for g in self.groups]  # host: cut per segment
+            gs = []
+            for g in self.groups:  # per segment [1, m_j]: the window's first slot within the segment
+                st = g.cache.slots_before(lo[g.tokens].reshape(1, -1))
+                gs.append([(st[:, g.first[j] :] - a).clamp(0, b - a).to(dev) for j, a, b in g.segments()])
             ss = [self.rows.slots_before(s.rows, lo[s.idx]).to(dev) for s in self.shapes]
             self._win[window] = (gs, ss)
         return self._win[window]
@@ -127,8 +131,7 @@ class RowsStep:
             out[0, :, sel], lse[0, :, sel] = _flat(o), _flat(l_)
         for g, st in zip(self.groups, g_starts, strict=True):
             for j, a, b in g.segments():  # every rank the same segments (ring: the same calls)
-                t = g.sels[j]
-                sj = None if st is None else (st[:, g.first[j] :] - a).clamp(0, b - a).to(q.device)
+                t, sj = g.sels[j], None if st is None else st[j]
                 if ring:
                     kp, vp = _prefix(g, layer, a, b)
                     lens = torch.full((1,), b - a, device=q.device)

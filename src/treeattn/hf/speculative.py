@@ -168,11 +168,19 @@ class DraftModel:
         """A drafter of the same model whose cache starts as this one's first ``n`` tokens (a copy)."""
         import copy
 
+        from transformers.cache_utils import DynamicLayer
+
         new = DraftModel(self.model)
         new.sampler, new.chunk = self.sampler, self.chunk
         n = min(n, len(self.ids), self.cache.get_seq_length())
-        new.cache, new.ids = copy.deepcopy(self.cache), self.ids[:n]
-        new._crop(n)
+        new.ids = self.ids[:n]
+        layers = getattr(self.cache, "layers", None)
+        if layers is not None and all(type(x) is DynamicLayer and x.keys is not None for x in layers):
+            for i, x in enumerate(layers):  # only the first n tokens are copied
+                new.cache.update(x.keys[..., :n, :].clone(), x.values[..., :n, :].clone(), i)
+        else:  # other cache layouts: a whole copy, cropped
+            new.cache = copy.deepcopy(self.cache)
+            new._crop(n)
         return new
 
     def _crop(self, n: int) -> None:

@@ -31,6 +31,7 @@ model), and gives it back when it ends.
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -40,32 +41,41 @@ from ..hf.speculative import DraftModel, PromptLookup
 
 MARGIN = 0.1  # a draft must promise the batch 10 % more tokens per second: its acceptance is an optimistic guess
 MODEL = "model"  # the kind of a draft model's drafts
-_SYNC_MAX = 8  # a drafting call that first ran more new tokens than this (a prompt) is not timed as drafting
+_SYNC_MAX = 8  # a drafting call that first ran more new tokens than this (a prompt, a catch-up) is not timed
 
 
 class DraftPool:
-    """A draft model's KV caches, one per drafting request (rank 0): at most ``keep`` idle
-    ones are kept for later requests."""
+    """A draft model's KV caches, one per drafting request (rank 0). Idle ones are kept for
+    later requests while all the caches together hold at most ``tokens`` tokens (the oldest
+    idle ones go first); past that budget a request starts no cache of its own (it does not
+    draft)."""
 
-    def __init__(self, model: torch.nn.Module, keep: int) -> None:
-        self.model, self.keep = model, keep
+    def __init__(self, model: torch.nn.Module, tokens: int) -> None:
+        self.model, self.tokens = model, tokens
+        self.max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None) or (1 << 62)
         self.idle: list[DraftModel] = []
         self.busy: list[DraftModel] = []
 
-    def take(self, history: list[int]) -> DraftModel:
+    def held(self) -> int:
+        """Tokens the caches hold."""
+        return sum(len(d.ids) for d in self.idle + self.busy)
+
+    def take(self, history: list[int]) -> DraftModel | None:
         """The cache for a request whose sequence is ``history``: the idle one sharing most of
-        it, a copy of a running one's where that shares more, else a new one."""
+        it, a copy of a running one's where that shares more, else a new one; None when a new
+        cache would not fit the budget."""
         best_idle = max(self.idle, key=lambda d: d.common(history), default=None)
         best_busy = max(self.busy, key=lambda d: d.common(history), default=None)
         n_idle = best_idle.common(history) if best_idle is not None else 0
         n_busy = best_busy.common(history) if best_busy is not None else 0
-        if best_busy is not None and n_busy > n_idle:
-            d = best_busy.fork(n_busy)
-        elif best_idle is not None and n_idle:
+        if best_idle is not None and n_idle >= n_busy and n_idle:
             self.idle.remove(best_idle)
             d = best_idle
         else:
-            d = self.idle.pop(0) if len(self.idle) >= self.keep else DraftModel(self.model)
+            self._fit(len(history))
+            if sum(len(x.ids) for x in self.busy) + len(history) > self.tokens:
+                return None
+            d = best_busy.fork(n_busy) if best_busy is not None and n_busy else DraftModel(self.model)
         self.busy.append(d)
         return d
 
@@ -73,7 +83,16 @@ class DraftPool:
         """A request ended: its cache may serve a later one."""
         self.busy.remove(d)
         self.idle.append(d)
-        del self.idle[: max(0, len(self.idle) - self.keep)]  # the oldest go
+        self._fit(0)
+
+    def drop(self, d: DraftModel) -> None:
+        """A cache in an unknown state (its drafting failed): forgotten."""
+        if d in self.busy:
+            self.busy.remove(d)
+
+    def _fit(self, more: int) -> None:
+        while self.idle and self.held() + more > self.tokens:
+            self.idle.pop(0)
 
 
 class RowDrafts:
@@ -87,6 +106,7 @@ class RowDrafts:
             self.policy.counts = {kind: list(c) for kind, c in pool.counts.items()}
         self.lookup = PromptLookup()
         self.drafters, self.model = drafters, None  # with a draft model: the pool, and this request's cache
+        self.failed = False  # its draft model raised (or no cache fitted): it drafts no more
         self.k_max = k_max
         self.idle = 0  # steps since it last drafted
         self.offered = self.accepted = self.verified = 0  # tokens offered, accepted; steps that verified
@@ -103,7 +123,8 @@ class RowDrafts:
         """(how deep this request may draft now, the kind of evidence); :meth:`draft` then gives
         the tokens. Prompt lookup finds its draft here; a draft model drafts only in :meth:`draft`."""
         if self.drafters is not None:
-            return (min(cap, self.k_max), MODEL) if cap >= 1 else (0, MODEL)
+            cap = min(cap, self.k_max, self.drafters.max_pos - len(history))  # the draft model's positions
+            return (cap, MODEL) if cap >= 1 and not self.failed else (0, MODEL)
         self._offer, kind = self.candidate(history, cap)
         return len(self._offer), kind
 
@@ -114,13 +135,23 @@ class RowDrafts:
             return []
         if self.drafters is None:
             return self._offer[:d]
-        first = self.model is None
-        if first:
-            self.model = self.drafters.take(history)
-        fresh = len(history) - self.model.common(history)
-        t = time.perf_counter()
-        toks = self.model.propose(torch.tensor(history, dtype=torch.int64), d, 1).tokens
-        if batch is not None and not (first and fresh > _SYNC_MAX):  # catching up counts, not the prompt
+        try:  # rank 0 alone: a failure here must not reach the step (the other ranks wait for its plan)
+            if self.model is None:
+                self.model = self.drafters.take(history)
+                if self.model is None:  # the caches are full
+                    self.failed = True
+                    return []
+            fresh = len(history) - self.model.common(history)
+            t = time.perf_counter()
+            toks = self.model.propose(torch.tensor(history, dtype=torch.int64), d, 1).tokens
+        except Exception as err:  # noqa: BLE001 - e.g. out of memory: this request stops drafting
+            if self.model is not None:
+                self.drafters.drop(self.model)
+            self.model, self.failed = None, True
+            print(f"treeattn serve: the draft model failed ({type(err).__name__}: {err}); this request drafts no "
+                  "more", file=sys.stderr, flush=True)  # fmt: skip
+            return []
+        if batch is not None and fresh <= _SYNC_MAX:  # d forwards; a long catch-up (a prompt) is not timed
             batch.observe_drafting(len(toks), time.perf_counter() - t)
         return toks
 
@@ -182,10 +213,11 @@ class BatchDrafts:
         return self.cost[t] * max(1.0 + _BETA0 * (n - t) / t, 1e-3)
 
     def _probe_pays(self, rd: RowDrafts, per: float, rows: int) -> bool:
-        """Whether a one-token probe is cheap: always for prompt lookup; for a draft model, whose
-        probe first catches up with every token since it last drafted (about a drafted
-        token's time each), only while that stays within 5 % of the steps it waited."""
-        return per * (rd.idle + 1) <= 0.05 * rd.idle * self.step_cost(rows)
+        """Whether a one-token probe is due: always for prompt lookup; for a draft model, whose
+        probe first catches up with the tokens since it last drafted (one forward of them,
+        priced as two drafted tokens), once it costs within 5 % of the steps it waited: a
+        costly draft model is probed rarely, never not at all."""
+        return 2.0 * per <= 0.05 * rd.idle * self.step_cost(rows)
 
     def choose(self, rows: int, cands: list[tuple[RowDrafts, int, object]]) -> list[int]:
         """Draft depths for ``cands`` ((request, how deep it may draft, its kind of evidence)) in

@@ -56,12 +56,15 @@ class Engine:
             worth it).
         draft_model: rank 0's draft model (a causal LM with the model's vocabulary; ignored on
             the other ranks): with ``num_draft``, requests draft from it instead of by
-            prompt lookup.
+            prompt lookup. Its KV caches (one per drafting request, idle ones kept for later
+            requests) hold at most ``draft_tokens`` tokens in all (default: ``cache_tokens``
+            times the ranks, or 32768 per rank without a prefix cache); a request that finds
+            no room does not draft.
     """
 
     def __init__(self, model, group=None, session_kw: dict | None = None, cache_tokens: int = 32768,
                  heartbeat: float = 1.0, max_batch: int = 8, num_draft: int = 0,
-                 fixed_draft: bool = False, draft_model=None) -> None:  # fmt: skip
+                 fixed_draft: bool = False, draft_model=None, draft_tokens: int | None = None) -> None:  # fmt: skip
         self.model, self.group, self.kw = model, group, dict(session_kw or {})
         self.draft_model = draft_model if num_draft else None
         if self.draft_model is not None:
@@ -70,6 +73,7 @@ class Engine:
                 raise ValueError(f"the draft model's vocabulary ({dv}) differs from the model's")
         self.vocab: int = model.config.vocab_size
         self.rank, self.p = world(group)
+        self.draft_tokens = draft_tokens if draft_tokens is not None else (cache_tokens or 32768) * self.p
         self.cache_tokens, self.heartbeat, self.max_batch = cache_tokens, heartbeat, max_batch
         self.num_draft, self.fixed_draft = num_draft, fixed_draft
         self.runner = BatchRunner(model, group, max_batch, **self.kw)

@@ -93,7 +93,9 @@ class Scheduler:
         self.trimming: list[tuple[int, int]] = []  # (row, own tokens kept) for the next plan
         self.closing: list[tuple[int, int]] = []  # (row, adopt) for the next plan
         self.batch_drafts = BatchDrafts(engine.fixed_draft)
-        self.drafters = DraftPool(engine.draft_model, engine.max_batch) if engine.draft_model is not None else None
+        self.drafters = None
+        if engine.draft_model is not None:  # its caches may hold what the prefix cache holds on all ranks
+            self.drafters = DraftPool(engine.draft_model, engine.draft_tokens)
         self.dropping: list[int] = []
         self.building: dict[int, int] = {}  # prefix being prefilled -> its KV tokens per rank when done
         self.used: dict[int, int] = {}  # prefix -> last use (a clock of admissions)
