@@ -93,6 +93,8 @@ def check_draft_args(a: argparse.Namespace) -> None:
         raise UsageError("--speculate draft needs --draft-model")
     if a.draft_model and a.speculate != "draft":
         raise UsageError("--draft-model is used by --speculate draft only")
+    if getattr(a, "draft_cache_tokens", None) is not None and not a.draft_model:
+        raise UsageError("--draft-cache-tokens is used with --draft-model only")
 
 
 def check_draft_model(a: argparse.Namespace, cfg, model_dir: str | None) -> str | None:

@@ -532,6 +532,8 @@ def test_cli_errors_before_any_rank_starts():
     assert r.returncode == 2 and "--speculate draft needs --draft-model" in r.stderr, r.stderr
     r = serve("--draft-model", MODEL)
     assert r.returncode == 2 and "--draft-model is used by --speculate draft only" in r.stderr, r.stderr
+    r = serve("--draft-cache-tokens", "64")
+    assert r.returncode == 2 and "--draft-cache-tokens is used with --draft-model only" in r.stderr, r.stderr
     r = serve("--speculate", "draft", "--draft-model", "small-llama")  # another vocabulary
     assert r.returncode == 2 and "its vocabulary" in r.stderr, r.stderr
 

@@ -70,7 +70,7 @@ def worker(a: argparse.Namespace, model_dir: str | None, local: bool) -> None:
         draft = rank_model(a, a.draft_dir, a.draft_model)[0]
     engine = Engine(model, None, session_kwargs(a), a.cache_tokens, max_batch=a.max_batch,
                     num_draft=a.num_draft_tokens if a.speculate else 0, fixed_draft=a.fixed_draft,
-                    draft_model=draft)  # fmt: skip
+                    draft_model=draft, draft_tokens=a.draft_cache_tokens)  # fmt: skip
     if rank:
         engine.follow()
         return
@@ -142,6 +142,9 @@ def add_parser(sub) -> None:
                    "measured step costs and its acceptance make worth it; answers unchanged")  # fmt: skip
     g.add_argument("--draft-model", help="the draft model of --speculate draft (same kinds of path as --model, or a "
                    "preset); it needs the model's tokenizer, and keeps a KV cache per drafting request on rank 0")  # fmt: skip
+    g.add_argument("--draft-cache-tokens", type=at_least(1), default=None,
+                   help="with --draft-model: tokens its KV caches may hold in all on rank 0, idle ones kept for later "
+                   "requests (default: --cache-tokens times the ranks, or 32768 per rank without a prefix cache)")  # fmt: skip
     g.add_argument("--num-draft-tokens", type=at_least(1), default=5,
                    help="with --speculate: the most tokens a request drafts per step (default 5)")  # fmt: skip
     g.add_argument("--fixed-draft", action="store_true", help="with --speculate: every draft found, as deep as it "
