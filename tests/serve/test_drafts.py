@@ -90,3 +90,21 @@ def test_draft_pool_forks_reuses_and_bounds_its_caches(monkeypatch):
     monkeypatch.setattr(DraftModel, "propose", broken)
     assert rd.draft(doc, 2) == [] and rd.failed and rd.model is None and pool.busy == []
     assert rd.offer(doc, 3) == (0, MODEL)
+
+
+def test_a_long_prompt_reaches_the_draft_model_a_chunk_per_step():
+    """A prompt the draft model has not seen runs ``chunk`` tokens per step without a draft
+    (the batch's steps go on), then the request drafts what a cold cache would."""
+    model = build_model("tiny-llama", None, torch.float32, 0)[0]
+    pool = DraftPool(model, tokens=1000, chunk=20)
+    hist = list(range(3, 60))  # 57 tokens
+    rd = RowDrafts(4, drafters=pool)
+    seen = []
+    for _ in range(2):
+        assert rd.draft(hist, 3) == []
+        seen.append((len(rd.model.ids), rd.model.cache.get_seq_length()))
+    assert seen == [(20, 20), (40, 40)]
+    want = DraftModel(model).propose(torch.tensor(hist), 3, 1).tokens
+    assert rd.draft(hist, 3) == want  # the last 17 tokens fit one step: run with the draft
+    b = RowDrafts(4, drafters=pool)  # another question about the same text: a copy, no chunks
+    assert b.draft(hist[:50] + [7], 3) == DraftModel(model).propose(torch.tensor(hist[:50] + [7]), 3, 1).tokens

@@ -164,6 +164,16 @@ class DraftModel:
             n += 1
         return n
 
+    def advance(self, history: list[int], n: int) -> None:
+        """Run up to ``n`` more tokens of ``history`` into the cache (all but its last token,
+        whose logits a proposal needs): a long prompt a chunk at a time."""
+        c = min(self.common(history), len(history) - 1)
+        self._crop(c)
+        upto = min(len(history) - 1, c + n)
+        if upto > c:
+            self._run(history[c:upto])
+        self.ids = history[:upto] if upto > c else self.ids[:c]
+
     def fork(self, n: int) -> DraftModel:
         """A drafter of the same model whose cache starts as this one's first ``n`` tokens (a copy)."""
         import copy

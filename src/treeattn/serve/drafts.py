@@ -26,7 +26,7 @@ stopped drafting gets a one-token probe now and then.
 A draft model keeps a KV cache per request (:class:`DraftPool`): a request takes the idle
 cache that shares the longest prefix with its sequence, or a copy of a running one's when
 that shares more (the questions about one document prefill the document once in the draft
-model), and gives it back when it ends.
+model, a chunk per step), and gives it back when it ends.
 """
 
 from __future__ import annotations
@@ -48,10 +48,11 @@ class DraftPool:
     """A draft model's KV caches, one per drafting request (rank 0). Idle ones are kept for
     later requests while all the caches together hold at most ``tokens`` tokens (the oldest
     idle ones go first); past that budget a request starts no cache of its own (it does not
-    draft)."""
+    draft). A request's tokens its cache has not seen (a new prompt) run ``chunk`` per step,
+    without a draft, so a long document does not hold up the batch's steps."""
 
-    def __init__(self, model: torch.nn.Module, tokens: int) -> None:
-        self.model, self.tokens = model, tokens
+    def __init__(self, model: torch.nn.Module, tokens: int, chunk: int = 256) -> None:
+        self.model, self.tokens, self.chunk = model, tokens, chunk  # chunk: prompt tokens run per step
         self.max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None) or (1 << 62)
         self.idle: list[DraftModel] = []
         self.busy: list[DraftModel] = []
@@ -142,6 +143,9 @@ class RowDrafts:
                     self.failed = True
                     return []
             fresh = len(history) - self.model.common(history)
+            if fresh > self.drafters.chunk:  # a prompt the draft model has not seen: a chunk per step,
+                self.model.advance(history, self.drafters.chunk)  # while the batch goes on; no draft yet
+                return []
             t = time.perf_counter()
             toks = self.model.propose(torch.tensor(history, dtype=torch.int64), d, 1).tokens
         except Exception as err:  # noqa: BLE001 - e.g. out of memory: this request stops drafting
