@@ -220,7 +220,7 @@ class BatchDrafts:
         """Whether a one-token probe is due: always for prompt lookup; for a draft model, whose
         probe first catches up with the tokens since it last drafted (one forward of them,
         priced as two drafted tokens), once it costs within 5 % of the steps it waited: a
-        costly draft model is probed rarely, never not at all."""
+        costly draft model is probed rarely, but never given up for good."""
         return 2.0 * per <= 0.05 * rd.idle * self.step_cost(rows)
 
     def choose(self, rows: int, cands: list[tuple[RowDrafts, int, object]]) -> list[int]:
