@@ -9,8 +9,8 @@ reads the first ``keep`` tokens of its row's shared prefix (a
 that read the same prefix attend to it together, whatever their ``keep``: the prefix is cut
 at their distinct keeps into segments, and each segment is one pass over its keys for all
 the tokens that read it (their queries folded into one block), so each rank reads its shard
-of the prefix once per step whatever the number of lines. Tree: the local prefix and row states are merged on each rank and cross the
-ranks in one reduction (the merge is associative: seed paper, §4); the lines' own tokens,
+of the prefix once per step whatever the number of lines. Tree: the local prefix and row
+states are merged on each rank and cross the ranks in one reduction (the merge is associative: seed paper, §4); the lines' own tokens,
 identical on every rank, are merged after it. Ring: each part's K/V goes round the ring.
 """
 

@@ -178,14 +178,18 @@ class DraftModel:
         """A drafter of the same model whose cache starts as this one's first ``n`` tokens (a copy)."""
         import copy
 
-        from transformers.cache_utils import DynamicLayer
+        try:
+            from transformers.cache_utils import DynamicLayer
+        except ImportError:  # transformers before the cache's layers
+            DynamicLayer = None  # noqa: N806
 
         new = DraftModel(self.model)
         new.sampler, new.chunk = self.sampler, self.chunk
         n = min(n, len(self.ids), self.cache.get_seq_length())
         new.ids = self.ids[:n]
         layers = getattr(self.cache, "layers", None)
-        if layers is not None and all(type(x) is DynamicLayer and x.keys is not None for x in layers):
+        plain = DynamicLayer is not None and layers is not None
+        if plain and all(type(x) is DynamicLayer and getattr(x, "keys", None) is not None for x in layers):
             for i, x in enumerate(layers):  # only the first n tokens are copied
                 new.cache.update(x.keys[..., :n, :].clone(), x.values[..., :n, :].clone(), i)
         else:  # other cache layouts: a whole copy, cropped
