@@ -565,8 +565,9 @@ def test_batch_faults_hang_up_and_rank_killed():
         model = _model()
         prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
         refs = [_reference(model, ids, 30) for ids in prompts]
-        streams = [s.events("/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 30, "temperature": 0})
-                   for ids in prompts]  # fmt: skip
+        # the one that hangs up asks for many tokens: drafts make answers quick, and it must still run when it leaves
+        streams = [s.events("/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 1000 if i == 1 else 30,
+                                                "temperature": 0}) for i, ids in enumerate(prompts)]  # fmt: skip
         firsts = [next(st) for st in streams]  # all three run
         streams[1].close()  # hangs up
         rest = [_drain(streams[i]) for i in (0, 2)]
