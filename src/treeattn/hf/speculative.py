@@ -157,6 +157,9 @@ class DraftModel:
 
     def common(self, history: list[int]) -> int:
         """Tokens of ``history`` this drafter's cache holds already (its common prefix)."""
+        m = min(len(self.ids), len(history))
+        if self.ids[:m] == history[:m]:  # the usual case, compared in C (rank 0 calls this every step)
+            return m
         n = 0
         for a, b in zip(self.ids, history, strict=False):
             if a != b:
