@@ -68,19 +68,23 @@ def worker(model_dir, ids, new, variants):
                   f"{'yes' if same else 'NO'} | {ttft:.1f} |")  # fmt: skip
 
 
-def breakdown_worker(model_dir, ids, new):
+def breakdown_worker(model_dir, ids, new, rounds):
     """Where a plain Tree decoding step's time goes on each rank: the model's linear layers
     (every rank reads all weights), local attention over the shard, the reduction across ranks
     (collective time, waiting for the slower rank included), and the rest (norms, rotary,
-    sampling, Python)."""
+    sampling, Python). With the model's own ``nn.Linear`` and with packed linears
+    (:func:`treeattn.hf.linear.pack_linears`, the CLI's default), alternating ``rounds`` times
+    in one process group."""
     import time
 
     import torch
     import torch.distributed as dist
 
+    import treeattn.hf.linear as hl
     import treeattn.parallel.tree as tree
     from treeattn.hf import generate
     from treeattn.hf.models import load_model
+    from treeattn.ops import kernel_info
     from treeattn.ops._decode_cpu import kernel_available
 
     kernel_available()
@@ -100,8 +104,8 @@ def breakdown_worker(model_dir, ids, new):
 
         return wrap
 
-    lin = torch.nn.Linear.forward
-    torch.nn.Linear.forward = timed("linear", lin)
+    torch.nn.Linear.forward = timed("linear", torch.nn.Linear.forward)
+    hl._forward = timed("linear", hl._forward)  # bound to each layer as it is packed
     tree._attention = timed("attention", tree._attention)
     tree.reduce_states = timed("reduction", tree.reduce_states)
 
@@ -115,18 +119,29 @@ def breakdown_worker(model_dir, ids, new):
         def end(self):
             on[0] = False
 
-    info = {}
-    generate(model, ids, max_new_tokens=new, stop_at_eos=False, info=info, streamer=Streamer())
-    steps = len(info["decode"])
-    t = torch.tensor([sum(info["decode"]), acc["linear"], acc["attention"], acc["reduction"]]) / steps * 1e3
-    allt = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(allt, t)
+    rows = []
+    for r in range(rounds):
+        for linear in ("torch", "packed"):
+            if linear == "packed":
+                hl.pack_linears(model)
+            else:
+                hl.unpack_linears(model)
+            for k in acc:
+                acc[k] = 0.0
+            info = {}
+            generate(model, ids, max_new_tokens=new, stop_at_eos=False, info=info, streamer=Streamer())
+            steps = len(info["decode"])
+            t = torch.tensor([sum(info["decode"]), acc["linear"], acc["attention"], acc["reduction"]]) / steps * 1e3
+            allt = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+            dist.all_gather(allt, t)
+            rows += [(linear, r + 1, rank, x.tolist()) for rank, x in enumerate(allt)]
     if dist.get_rank() == 0:
+        print(f"\nkernels: {kernel_info()}")
         print(f"\nwhere a plain Tree decoding step goes (ms per token, mean over {steps} steps):\n")
-        print("| rank | step | linear layers (weights) | local attention | reduction (incl. wait) | rest |")
-        print("|---|---|---|---|---|---|")
-        for r, (tot, li, at, red) in enumerate(x.tolist() for x in allt):
-            print(f"| {r} | {tot:.1f} | {li:.1f} | {at:.1f} | {red:.1f} | {tot - li - at - red:.1f} |")
+        print("| linears | round | rank | step | linear layers (weights) | local attention | reduction (incl. wait) | rest |")
+        print("|---|---|---|---|---|---|---|---|")
+        for linear, r, rank, (tot, li, at, red) in rows:
+            print(f"| {linear} | {r} | {rank} | {tot:.1f} | {li:.1f} | {at:.1f} | {red:.1f} | {tot - li - at - red:.1f} |")
 
 
 def main() -> None:
@@ -137,6 +152,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=5, help="draft tokens per branch")
     ap.add_argument("--ring", action="store_true", help="also plain and prompt lookup with Ring attention")
     ap.add_argument("--breakdown", action="store_true", help="only: where a plain step's time goes per rank")
+    ap.add_argument("--rounds", type=int, default=2, help="--breakdown: rounds of nn.Linear then packed linears")
     ap.add_argument("--question", choices=list(QUESTIONS), default="quote",
                     help="quote: an answer that quotes the document (default); explain: one that does not")  # fmt: skip
     ap.add_argument("--fixed", action="store_true", help="also every drafter at a fixed draft depth")
@@ -170,7 +186,7 @@ def main() -> None:
     print(f"{a.doc}: {ids.shape[1]:,} prompt tokens, question {a.question!r}, p={a.nproc}, greedy, at most "
           f"{a.max_new_tokens} new tokens, k={k}")  # fmt: skip
     if a.breakdown:
-        launch(breakdown_worker, a.nproc, (str(d), ids, 32), timeout=7200)
+        launch(breakdown_worker, a.nproc, (str(d), ids, 32, a.rounds), timeout=7200)
     else:
         launch(worker, a.nproc, (str(d), ids, a.max_new_tokens, variants), timeout=7200)
 

@@ -1,26 +1,30 @@
-"""Packed linear layers on CPU: a model's ``nn.Linear`` layers through oneDNN with each weight
-reordered once into oneDNN's blocked layout (what ``torch.compile`` does when it freezes a CPU
-model), instead of MKL's GEMM over the plain weight at every call.
+"""Packed linear layers on CPU: a model's float32 ``nn.Linear`` layers with each weight
+reordered once for a faster kernel, instead of MKL's GEMM over the plain weight at every call.
 
-Two things change, measured on this project's CPU (AMD EPYC, AVX-512, one thread; float32,
-SmolLM2-135M's 30 layers of linears plus its 49152 x 576 LM head; ``benchmarks/packed_linear.py``):
+Two kernels, the first that this machine has:
 
-- Speed. Rows per call 1 / 8 / 32: the layers 37.9 / 40.0 / 85.5 ms against 45.7 / 66.8 /
-  118.9 ms; the LM head 7.3 / 9.0 / 20.2 ms against 11.6 / 22.1 / 37.8 ms. A decode step of 8
-  rows gets its linears at about the cost of one row.
-- Batch invariance. A row's output is bitwise the same whatever other rows share the call
-  (MKL's GEMM picks its blocking by the number of rows, so there it is not). oneDNN has a
-  kernel of its own for a single row, with other bits on some shapes (SmolLM2's 1536 -> 576
-  down projection, 4096 -> 1024), so calls of 1 to 3 rows run padded to 4 (``_MIN_ROWS``).
-  With packed linears, a request batched with others gets exactly the hidden states it gets
-  alone.
+- treeattn's own (:mod:`treeattn.ops.linear_cpu`, compiled, AVX-512): the weight becomes one
+  stream of 64-output groups. A decode step reads every weight once for a few rows, and this
+  kernel reads them faster than oneDNN: SmolLM2-135M's 30 layers of linears at 1 / 8 / 32 rows
+  per call, one thread (``benchmarks/packed_linear.py``, 2026-11-27), in the table of
+  ``docs/benchmarks.md`` section 11.5.
+- oneDNN's (``torch.ops.mkldnn``), each weight in oneDNN's blocked layout (what
+  ``torch.compile`` does when it freezes a CPU model), where the compiled kernel is missing.
 
-The rounding is not MKL's: outputs differ from the plain layer's in the last bits (the tests
-hold them within 1e-5). Compare a packed model with a packed model.
+Both are batch invariant: a row's output is bitwise the same whatever other rows share the
+call (MKL's GEMM picks its blocking by the number of rows, so there it is not). With packed
+linears a request batched with others gets exactly the hidden states it gets alone.
+treeattn's kernel is so by construction (every output one fixed-order sum). oneDNN has a
+kernel of its own for a single row, with other bits on some shapes (SmolLM2's 1536 -> 576 down
+projection, 4096 -> 1024), so there calls of 1 to 3 rows run padded to 4 (``_MIN_ROWS``).
+
+The rounding is neither MKL's nor each other's: outputs differ from the plain layer's in the
+last bits (the tests hold them within 1e-5). Compare a packed model with a packed model on one
+machine.
 
 Only float32 weights on CPU are packed (bfloat16 and float16 were not measured; float64 is not
-supported by oneDNN). The reorder picks its blocking for 8 rows per call
-(``_ROWS_HINT``: 1 was 1.6x slower at 8 rows, 64 no faster than 8).
+supported by oneDNN). oneDNN's reorder picks its blocking for 8 rows per call (``_ROWS_HINT``:
+1 was 1.6x slower at 8 rows, 64 no faster than 8).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from ..ops.linear_cpu import linear_available, pack_weight, packed_linear, unpack_weight
 
 _ROWS_HINT = 8
 # Calls of fewer rows run padded to this many. oneDNN runs one row through a kernel of its own
@@ -38,9 +44,26 @@ _MIN_ROWS = 4
 _ATTR = "_treeattn_packed"
 
 
-def packing_available() -> bool:
-    """Whether this PyTorch build has oneDNN's packed linear ops."""
+def _onednn() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def packing_available() -> bool:
+    """Whether linears can be packed here: treeattn's compiled AVX-512 kernel is loaded, or
+    this PyTorch build has oneDNN's packed linear ops."""
+    return linear_available() or _onednn()
+
+
+def is_packed(m: nn.Module) -> bool:
+    """Whether :func:`pack_linears` packed this layer (and :func:`unpack_linears` has not undone it)."""
+    return hasattr(m, _ATTR)
+
+
+def _dense(m: nn.Linear) -> Tensor:
+    packed, shared, _, own = getattr(m, _ATTR)
+    if shared:
+        return m.weight
+    return unpack_weight(packed, m.out_features, m.in_features) if own else packed.to_dense()
 
 
 def _packable(m: nn.Module) -> bool:
@@ -50,9 +73,11 @@ def _packable(m: nn.Module) -> bool:
 
 
 def _forward(self: nn.Linear, x: Tensor) -> Tensor:
-    packed, dense, _ = getattr(self, _ATTR)
-    if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):  # oneDNN's op has no backward
-        return F.linear(x, self.weight if dense else packed.to_dense(), self.bias)
+    packed, _, _, own = getattr(self, _ATTR)
+    if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):  # the packed ops have no backward
+        return F.linear(x, _dense(self), self.bias)
+    if own:
+        return packed_linear(x, packed, self.out_features, self.bias)
     n = x.numel() // max(x.shape[-1], 1)
     if 0 < n < _MIN_ROWS:  # padded with zero rows: the kernel of any batch, and the fastest
         x2 = x.reshape(n, -1)
@@ -68,10 +93,10 @@ def pack_linears(model: nn.Module) -> int:
     and dtypes). Idempotent.
 
     For inference: a weight that no other module of ``model`` shares is replaced by a new
-    ``Parameter`` (same shape and dtype, ``requires_grad`` False) in oneDNN's layout, so no
-    memory is added, but only the layer's own forward can read it: ``copy.deepcopy``,
-    ``torch.save`` of the state dict and ``load_state_dict`` into the layer fail until
-    :func:`unpack_linears`. A weight shared within ``model`` (an LM head tied to the
+    ``Parameter`` (``requires_grad`` False) in the kernel's layout, so no memory is added, but
+    only the layer's own forward can read it: treeattn's is a flat float32 tensor, oneDNN's an
+    opaque one of the same shape. ``torch.save`` of the state dict and ``load_state_dict``
+    therefore fail or give tensors no other model loads, until :func:`unpack_linears`. A weight shared within ``model`` (an LM head tied to the
     embeddings) stays as it is, beside a packed copy that does not follow in-place changes to
     it. Pass the whole model: a weight shared with a module outside ``model`` is taken as
     unshared (the tie is gone, then and after unpacking). First, the model's CPU parameters
@@ -83,7 +108,8 @@ def pack_linears(model: nn.Module) -> int:
     Wherever autograd records (outside ``no_grad``, an input or a dense weight that requires
     grad) a layer runs ``F.linear`` on the dense weight.
     """
-    if not packing_available():
+    own = linear_available()
+    if not own and not _onednn():
         return 0
     owners: dict[int, int] = {}
     for m in model.modules():
@@ -97,11 +123,11 @@ def pack_linears(model: nn.Module) -> int:
     n = 0
     for m in todo:
         w = m.weight
-        packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _ROWS_HINT)
+        packed = pack_weight(w) if own else torch.ops.mkldnn._reorder_linear_weight(w.detach(), _ROWS_HINT)
         shared = owners[id(w)] > 1
         if not shared:  # the dense weight goes: the packed one takes its place
             m.weight = nn.Parameter(packed, requires_grad=False)
-        setattr(m, _ATTR, (packed, shared, w.requires_grad))
+        setattr(m, _ATTR, (packed, shared, w.requires_grad, own))
         m.forward = _forward.__get__(m)
         n += 1
     return n
@@ -113,9 +139,9 @@ def unpack_linears(model: nn.Module) -> int:
     n = 0
     for m in model.modules():
         if hasattr(m, _ATTR):
-            packed, dense, grad = getattr(m, _ATTR)
-            if not dense:
-                m.weight = nn.Parameter(packed.to_dense(), requires_grad=grad)
+            _, shared, grad, _ = getattr(m, _ATTR)
+            if not shared:
+                m.weight = nn.Parameter(_dense(m), requires_grad=grad)
             delattr(m, _ATTR)
             del m.forward
             n += 1

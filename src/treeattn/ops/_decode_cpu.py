@@ -1,7 +1,8 @@
 """Streaming decode attention on CPU: a small C kernel (``_decode_cpu.c``) built with the
 system C compiler on first use and loaded with ctypes, with a pure-PyTorch fallback. The same
-shared object holds the prefill kernel (``_prefill_cpu.c``, used by :mod:`._prefill_cpu`) and
-the merge of packed states (``_merge_cpu.c``, used by the all-gather reduction).
+shared object holds the prefill kernel (``_prefill_cpu.c``, used by :mod:`._prefill_cpu`), the
+merge of packed states (``_merge_cpu.c``, used by the all-gather reduction) and the linear layers
+of a decode step (``_linear_cpu.c``, used by :mod:`.linear_cpu`).
 
 Why a plain C file and not ``torch.utils.cpp_extension``: decode attention is a streaming
 problem (every K/V byte is read once, ~2 flops per byte), so what matters is one pass over
@@ -38,8 +39,7 @@ from .state import empty_state, merge_states
 
 __all__ = ["decode_cpu", "decode_torch", "kernel_available", "kernel_features", "kernel_info"]
 
-_SRC = Path(__file__).with_name("_decode_cpu.c")
-_SRCS = (_SRC, Path(__file__).with_name("_prefill_cpu.c"), Path(__file__).with_name("_merge_cpu.c"))  # one .so
+_SRCS = tuple(Path(__file__).with_name(f) for f in ("_decode_cpu.c", "_prefill_cpu.c", "_merge_cpu.c", "_linear_cpu.c"))  # one .so
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # -fopenmp: the prefill kernel's threads come from torch's OpenMP pool (libgomp.so.1, already
 # loaded by torch, is the copy the loader binds); the decode kernel keeps its own pthreads
@@ -134,6 +134,11 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         lib.treeattn_merge.argtypes = [vp, i64, i64, i64, vp, vp]
         lib.treeattn_merge.restype = ctypes.c_int
         lib.treeattn_prefill_available.restype = ctypes.c_int
+        lib.treeattn_linear_pack.argtypes = [vp, i64, i64, vp]
+        lib.treeattn_linear_pack.restype = None
+        lib.treeattn_linear.argtypes = [vp, i64, i64, i64, vp, vp, vp, i64, i64, ctypes.c_int]
+        lib.treeattn_linear.restype = ctypes.c_int
+        lib.treeattn_linear_available.restype = ctypes.c_int
         feats = _features(lib)
         return lib, f"{so} ({cc} {' '.join(flags)}; {', '.join(feats) or 'portable C'})"
     return None, "build failed: " + " | ".join(errors)
@@ -142,7 +147,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
 def _features(lib: ctypes.CDLL) -> list[str]:
     bits = lib.treeattn_features()
     names = [name for bit, name in ((1, "avx2"), (4, "avx512"), (2, "avx512bf16"), (8, "bf16tiles")) if bits & bit]
-    return names + (["prefill512"] if lib.treeattn_prefill_available() else [])
+    names += ["prefill512"] if lib.treeattn_prefill_available() else []
+    return names + (["linear512"] if lib.treeattn_linear_available() else [])
 
 
 def kernel_features() -> frozenset[str]:
@@ -152,7 +158,8 @@ def kernel_features() -> frozenset[str]:
     ``"avx512bf16"`` (bfloat16 queries and K/V with AVX512-BF16 dot products for the scores),
     ``"bf16tiles"`` (bfloat16 K/V on AVX2 CPUs without AVX-512: rows that see the same keys
     share register tiles over groups of keys), ``"prefill512"`` (the float32 AVX-512 prefill
-    kernel of ``_prefill_cpu.c``, see :mod:`treeattn.ops._prefill_cpu`); empty when the PyTorch
+    kernel of ``_prefill_cpu.c``, see :mod:`treeattn.ops._prefill_cpu`), ``"linear512"`` (the
+    float32 AVX-512 linear layers of ``_linear_cpu.c``, see :mod:`treeattn.ops.linear_cpu`); empty when the PyTorch
     fallback is in use."""
     _lib()
     return _state["features"]
