@@ -229,7 +229,10 @@ def _attention(
     if backend == "triton":  # straight to the kernel: it reads each row's bounds itself (no trim, no sync)
         rows_differ = (causal and Tq > 1) or kv_end is not None or (kv_start is not None and kv_start.ndim == 2)
         return _triton(q, k, v, scale, lo, hi, softcap, rows_differ, keep_fp32)
-    lo, hi, span, seq = _trim(lo, hi, S, B)
+    if backend == "decode_cpu" and mask is None:  # it reads only each row's [lo, hi): nothing to trim or zero
+        span = seq = None
+    else:
+        lo, hi, span, seq = _trim(lo, hi, S, B)
     if span is not None:
         k, v = k[:, :, span[0] : span[1]], v[:, :, span[0] : span[1]]
         S = k.shape[2]
