@@ -136,7 +136,37 @@ def test_treeattn_kernel_against_float64():
             assert torch.equal(hl.unpack_weight(wp, n, k), w)
     finally:
         torch.set_num_threads(before)
+    assert torch.equal(packed_linear(torch.ones(3, 0), pack_weight(torch.ones(5, 0)), 5, torch.arange(5.0)),
+                       torch.arange(5.0).expand(3, 5))  # no inputs: the bias  # fmt: skip
+    assert packed_linear(torch.ones(0, 3), pack_weight(torch.ones(5, 3)), 5).shape == (0, 5)
+    assert torch.equal(packed_linear(torch.ones(3), pack_weight(torch.ones(5, 3)), 5), torch.full((5,), 3.0))
     with pytest.raises(ValueError, match="float32"):
         packed_linear(torch.ones(2, 3, dtype=torch.float64), pack_weight(torch.ones(4, 3)), 4)
-    with pytest.raises(ValueError, match="not \\[17, 3\\]"):
+    for bad in (torch.ones(4, dtype=torch.float64), torch.ones(1), torch.ones(4, dtype=torch.float16)):
+        with pytest.raises(ValueError, match="bias"):
+            packed_linear(torch.ones(2, 3), pack_weight(torch.ones(4, 3)), 4, bad)
+    with pytest.raises(ValueError, match="packed float32"):
+        packed_linear(torch.ones(2, 3), pack_weight(torch.ones(4, 3)).double(), 4)
+    with pytest.raises(ValueError, match="not a packed float32 \\[17, 3\\]"):
         packed_linear(torch.ones(2, 3), pack_weight(torch.ones(4, 3)), 17)
+
+
+@pytest.mark.skipif(not linear_available(), reason="no AVX-512 C kernel here")
+def test_treeattn_packed_layer_copies_and_trains_its_bias():
+    """A deep copy holds each packed weight once and computes what the original does; a bias
+    that requires grad takes the dense path outside no_grad, and its gradient flows."""
+    import copy
+
+    torch.manual_seed(2)
+    lin = nn.Linear(70, 100)
+    x = torch.randn(5, 70)
+    ref = lin(x).detach()
+    pack_linears(lin)
+    twin = copy.deepcopy(lin)
+    packed = getattr(twin, hl._ATTR)[0]
+    assert packed is twin.weight and packed.data_ptr() != lin.weight.data_ptr()
+    with torch.no_grad():
+        assert torch.equal(twin(x), lin(x))
+        torch.testing.assert_close(lin(x), ref, rtol=1e-5, atol=1e-5)
+    lin(x).sum().backward()  # the bias requires grad (the weight does not: packed)
+    assert lin.bias.grad is not None and torch.equal(lin.bias.grad, torch.full((100,), 5.0))

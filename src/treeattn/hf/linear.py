@@ -74,7 +74,8 @@ def _packable(m: nn.Module) -> bool:
 
 def _forward(self: nn.Linear, x: Tensor) -> Tensor:
     packed, _, _, own = getattr(self, _ATTR)
-    if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):  # the packed ops have no backward
+    grad = x.requires_grad or self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
+    if torch.is_grad_enabled() and grad:  # the packed ops have no backward
         return F.linear(x, _dense(self), self.bias)
     if own:
         return packed_linear(x, packed, self.out_features, self.bias)
@@ -93,10 +94,12 @@ def pack_linears(model: nn.Module) -> int:
     and dtypes). Idempotent.
 
     For inference: a weight that no other module of ``model`` shares is replaced by a new
-    ``Parameter`` (``requires_grad`` False) in the kernel's layout, so no memory is added, but
-    only the layer's own forward can read it: treeattn's is a flat float32 tensor, oneDNN's an
-    opaque one of the same shape. ``torch.save`` of the state dict and ``load_state_dict``
-    therefore fail or give tensors no other model loads, until :func:`unpack_linears`. A weight shared within ``model`` (an LM head tied to the
+    ``Parameter`` (``requires_grad`` False) in the kernel's layout, so no memory is added (beyond
+    treeattn's padding of the outputs to a multiple of 16), but only the layer's own forward
+    can read it: treeattn's is a flat float32 tensor, oneDNN's an opaque one of the same shape.
+    ``torch.save`` of the state dict and ``load_state_dict`` therefore fail or give tensors no
+    other model loads, until :func:`unpack_linears`; ``copy.deepcopy`` works with treeattn's
+    kernel and fails with oneDNN's. A weight shared within ``model`` (an LM head tied to the
     embeddings) stays as it is, beside a packed copy that does not follow in-place changes to
     it. Pass the whole model: a weight shared with a module outside ``model`` is taken as
     unshared (the tie is gone, then and after unpacking). First, the model's CPU parameters
@@ -105,8 +108,8 @@ def pack_linears(model: nn.Module) -> int:
     kept resident beside the packed weights; until it is, both are resident (the process's
     peak). A mapped file's pages are shared by the processes that map it, private copies are
     not: on p local ranks, the total moves less than the sum of the ranks' RSS suggests.
-    Wherever autograd records (outside ``no_grad``, an input or a dense weight that requires
-    grad) a layer runs ``F.linear`` on the dense weight.
+    Wherever autograd records (outside ``no_grad``, an input, a dense weight or a bias that
+    requires grad) a layer runs ``F.linear`` on the dense weight.
     """
     own = linear_available()
     if not own and not _onednn():
@@ -125,8 +128,8 @@ def pack_linears(model: nn.Module) -> int:
         w = m.weight
         packed = pack_weight(w) if own else torch.ops.mkldnn._reorder_linear_weight(w.detach(), _ROWS_HINT)
         shared = owners[id(w)] > 1
-        if not shared:  # the dense weight goes: the packed one takes its place
-            m.weight = nn.Parameter(packed, requires_grad=False)
+        if not shared:  # the dense weight goes: the packed one takes its place (one object: a deepcopy keeps one)
+            m.weight = packed = nn.Parameter(packed, requires_grad=False)
         setattr(m, _ATTR, (packed, shared, w.requires_grad, own))
         m.forward = _forward.__get__(m)
         n += 1

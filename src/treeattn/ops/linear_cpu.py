@@ -5,13 +5,14 @@ shared object).
 A decode step multiplies a few rows by every weight of the model, so what it costs is one read
 of the weights. On this project's CPU (AMD EPYC, one thread; SmolLM2-135M's 30 layers of
 linears and its LM head, ``benchmarks/packed_linear.py``) oneDNN's packed GEMM reads them at
-about half the memory's rate at one row; this kernel at about two thirds, and as fast as oneDNN
-at 256 and 1024 rows.
+about half the memory's rate at one row; this kernel at about two thirds, and within a few
+percent of oneDNN at 256 rows (compute-bound, a prefill chunk).
 
 Every output is the same sum whatever else is in the call: FMA chains over the inputs in blocks
 of 64, in order, the blocks added in order, then the bias. A row's output is therefore bitwise
 independent of its batch, its tile and the thread count. The rounding is not MKL's or oneDNN's
-(within float32 rounding of both).
+(within float32 rounding of both). Threads: OpenMP (torch's pool) where the shared object was
+built with ``-fopenmp`` (the first flags tried, see :func:`treeattn.ops.kernel_info`), else one.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def _numel(n: int, k: int) -> int:
 
 def pack_weight(w: Tensor) -> Tensor:
     """``w [N, K]`` float32 on the CPU, packed: a flat float32 tensor of ``16 * ceil(N / 16) * K``
-    elements, for :func:`packed_linear`. Raises RuntimeError without the kernel."""
+    elements (outputs padded with zeros to a multiple of 16), for :func:`packed_linear`.
+    Raises RuntimeError without the kernel, ValueError for other inputs."""
     lib = _lib()
     if lib is None or not linear_available():
         raise RuntimeError("the compiled AVX-512 linear kernel is not available (treeattn.ops.kernel_info())")
@@ -58,14 +60,17 @@ def unpack_weight(wp: Tensor, n: int, k: int) -> Tensor:
 
 
 def packed_linear(x: Tensor, wp: Tensor, n: int, bias: Tensor | None = None) -> Tensor:
-    """``x [..., K] @ W.T + bias`` for the ``[n, K]`` weight packed in ``wp``: ``[..., n]`` float32.
-    ``x`` float32 on the CPU; threads: ``torch.get_num_threads()``."""
+    """``x [..., K] @ W.T + bias`` for the ``[n, K]`` weight packed in ``wp`` (:func:`pack_weight`):
+    ``[..., n]`` float32. ``x`` and ``bias [n]`` float32 on the CPU; threads:
+    ``torch.get_num_threads()``. Raises ValueError for other inputs."""
     k = x.shape[-1]
     if x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"packed_linear takes float32 CPU inputs, got {x.dtype} on {x.device}")
-    if wp.numel() != _numel(n, k):
-        raise ValueError(f"packed weight of {wp.numel()} elements is not [{n}, {k}]")
-    x2 = x.reshape(-1, k)
+    if wp.dtype != torch.float32 or wp.device.type != "cpu" or not wp.is_contiguous() or wp.numel() != _numel(n, k):
+        raise ValueError(f"packed weight {wp.dtype} of {wp.numel()} elements is not a packed float32 [{n}, {k}]")
+    if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu" or bias.numel() != n):
+        raise ValueError(f"bias must be float32 [{n}] on the CPU, got {bias.dtype} {tuple(bias.shape)} on {bias.device}")
+    x2 = x.reshape(x.shape[:-1].numel(), k)
     if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < k):
         x2 = x2.contiguous()
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)
