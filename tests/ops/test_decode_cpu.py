@@ -222,6 +222,12 @@ def test_auto_picks_decode_cpu_for_decode_shapes():
     assert _pick_backend(q, k, v) == "decode_cpu"
     q, k, v = make(1, 1, 8, 128, 10, 64, torch.float32)  # prefill-sized (1024 rows): GEMM kernel
     assert _pick_backend(q, k, v) == "flash_cpu"
+    from treeattn.ops import kernel_features
+
+    q, k, v = make(1, 3, 3, 16, 10, 64, torch.float32)  # 48 rows per KV head: a batched step of 16 rows
+    assert _pick_backend(q, k, v) == ("decode_cpu" if "avx512" in kernel_features() else "flash_cpu")
+    q, k, v = make(1, 3, 3, 17, 10, 64, torch.float32)  # 51
+    assert _pick_backend(q, k, v) == "flash_cpu"
 
 
 def test_dense_mask_not_taken():

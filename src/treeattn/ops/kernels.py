@@ -141,6 +141,7 @@ def resolve(name: str, call: Call) -> str:
 # Largest rows per KV head (G * Tq) for which auto picks decode_cpu, per dtype (measured,
 # see pick): past these flash_cpu's GEMM blocking wins.
 _DECODE_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 16, torch.float16: 128}
+_DECODE_MAX_ROWS_F32_AVX512 = 48  # float32 when the kernel has its AVX-512 row groups
 # bfloat16 when the kernel has AVX512-BF16 dot products (bf16 q and K/V, D = Dv, D % 32 == 0)
 _DECODE_MAX_ROWS_BF16DP = 128
 
@@ -163,7 +164,14 @@ def pick(q: Tensor, k: Tensor, v: Tensor, *, plain: bool = False, causal_rows: b
     #   with the AVX-512 4-row path (same VM, three sweeps, lowest-highest):
     #   fp32   3.8    1.9-2.1  1.5-1.6  1.1-1.2  0.92-0.95  1.0-1.05  1.0-1.15
     #   bf16   9.7-10.8  3.6-3.9  1.9-2.2  1.3-1.4  1.1-1.2  1.3-1.4  1.4-1.5
-    #   (fp32 limit 16: at 32 rows flash_cpu was ahead in every sweep; beyond, within noise)
+    #   (fp32 limit 16 until 2026-11-27: at 32 rows flash_cpu was ahead in every sweep then)
+    #   2026-11-27, AVX-512 EPYC VM, K/V out of cache (60 MB of layers cycled, as a model's step
+    #   reads them), one thread, fp32, _attention with each backend forced:
+    #     Hkv=3 D=64 G=3 S=3861 (SmolLM2's shard): rows 18 1.35, 24 1.25, 33 1.20, 48 1.06,
+    #       66 0.99, 96 0.90
+    #     Hkv=8 D=128 G=4 S=16k: rows 8 2.33, 16 1.61, 24 1.35, 32 1.13, 64 1.13
+    #   so fp32 takes decode_cpu up to 48 rows with AVX-512 (a batched step's 8 rows x 3 query
+    #   heads); AVX2 alone keeps 16 (the Zen 1 sweep below: 0.70-0.73 at 32 rows).
     #   AVX2-only Zen 1 EPYC (2026-11-24, loadavg ~1, two sweeps; bf16 with the register tiles,
     #   1 row before row1_eo, which is 1.2x faster again):
     #   fp32   1.80-1.83  2.05-2.08  1.33-1.39  0.93-0.99  0.70-0.73  0.71  0.71-0.73
@@ -181,6 +189,11 @@ def pick(q: Tensor, k: Tensor, v: Tensor, *, plain: bool = False, causal_rows: b
 
             if "avx512bf16" in kernel_features():
                 limit = _DECODE_MAX_ROWS_BF16DP
+        if q.dtype == torch.float32 and limit < rows <= _DECODE_MAX_ROWS_F32_AVX512:
+            from ._decode_cpu import kernel_features
+
+            if "avx512" in kernel_features():
+                limit = _DECODE_MAX_ROWS_F32_AVX512
         if rows <= limit:
             return "decode_cpu"
         if v.shape[3] == q.shape[3]:
