@@ -231,6 +231,9 @@ def _attention(
         return _triton(q, k, v, scale, lo, hi, softcap, rows_differ, keep_fp32)
     if backend == "decode_cpu" and mask is None:  # it reads only each row's [lo, hi): nothing to trim or zero
         span = seq = None
+        if lo is not None or hi is not None:
+            reads = (S if hi is None else hi.clamp(max=S)) > (0 if lo is None else lo)
+            span = None if bool(reads.any()) else (0, 0)  # no row reads a key: the empty state, no kernel call
     else:
         lo, hi, span, seq = _trim(lo, hi, S, B)
     if span is not None:
