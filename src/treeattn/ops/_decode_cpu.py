@@ -39,7 +39,8 @@ from .state import empty_state, merge_states
 
 __all__ = ["decode_cpu", "decode_torch", "kernel_available", "kernel_features", "kernel_info"]
 
-_SRCS = tuple(Path(__file__).with_name(f) for f in ("_decode_cpu.c", "_prefill_cpu.c", "_merge_cpu.c", "_linear_cpu.c"))  # one .so
+_SRCS = tuple(Path(__file__).with_name(f) for f in ("_decode_cpu.c", "_prefill_cpu.c", "_merge_cpu.c",
+                                                    "_linear_cpu.c"))  # one .so
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # -fopenmp: the prefill kernel's threads come from torch's OpenMP pool (libgomp.so.1, already
 # loaded by torch, is the copy the loader binds); the decode kernel keeps its own pthreads
