@@ -54,8 +54,9 @@ def add_model_args(g: argparse.ArgumentParser) -> None:
                    help="the random weights of a --preset (generate: also sampling, --prompt-len prompts)")  # fmt: skip
     g.add_argument("--threads", type=at_least(1), default=1, help="compute threads per rank (default 1)")
     g.add_argument("--linear", choices=["packed", "torch"], default="packed",
-                   help="CPU float32 linear layers: packed (default: weights reordered once for oneDNN, faster, and a "
-                   "row's result does not depend on its batch) or torch (the model's own nn.Linear)")  # fmt: skip
+                   help="CPU float32 linear layers: packed (default: weights reordered once for treeattn's AVX-512 "
+                   "kernel, else oneDNN's; faster, and a row's result does not depend on its batch) or torch (the "
+                   "model's own nn.Linear)")  # fmt: skip
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, NCCL (torchrun)")
     g.add_argument("--collective-timeout", type=float, default=120.0,
                    help="seconds a collective may wait for a peer before every rank fails (default 120)")  # fmt: skip
