@@ -74,8 +74,9 @@ def _packable(m: nn.Module) -> bool:
 
 def _forward(self: nn.Linear, x: Tensor) -> Tensor:
     packed, _, _, own = getattr(self, _ATTR)
-    grad = x.requires_grad or self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
-    if torch.is_grad_enabled() and grad:  # the packed ops have no backward
+    if torch.is_grad_enabled() and (  # the packed ops have no backward
+        x.requires_grad or self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
+    ):
         return F.linear(x, _dense(self), self.bias)
     if own:
         return packed_linear(x, packed, self.out_features, self.bias)

@@ -183,17 +183,16 @@ def pick(q: Tensor, k: Tensor, v: Tensor, *, plain: bool = False, causal_rows: b
     if q.device.type == "cpu":
         rows = (q.shape[1] // k.shape[1]) * q.shape[2]
         limit = _DECODE_MAX_ROWS.get(q.dtype, 0)
-        dp_shape = q.shape[3] % 32 == 0 and v.shape[3] == q.shape[3]
-        if q.dtype == k.dtype == torch.bfloat16 and dp_shape and limit < rows <= _DECODE_MAX_ROWS_BF16DP:
-            from ._decode_cpu import kernel_features
+        wider = None  # (the kernel feature, the limit with it)
+        if q.dtype == torch.float32:
+            wider = ("avx512", _DECODE_MAX_ROWS_F32_AVX512)
+        elif q.dtype == k.dtype == torch.bfloat16 and q.shape[3] % 32 == 0 and v.shape[3] == q.shape[3]:
+            wider = ("avx512bf16", _DECODE_MAX_ROWS_BF16DP)
+        if wider is not None and limit < rows <= wider[1]:
+            from ._decode_cpu import kernel_features  # builds the kernel: only when it decides
 
-            if "avx512bf16" in kernel_features():
-                limit = _DECODE_MAX_ROWS_BF16DP
-        if q.dtype == torch.float32 and limit < rows <= _DECODE_MAX_ROWS_F32_AVX512:
-            from ._decode_cpu import kernel_features
-
-            if "avx512" in kernel_features():
-                limit = _DECODE_MAX_ROWS_F32_AVX512
+            if wider[0] in kernel_features():
+                limit = wider[1]
         if rows <= limit:
             return "decode_cpu"
         if v.shape[3] == q.shape[3]:
