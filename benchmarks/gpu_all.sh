@@ -2,7 +2,8 @@
 # The GPU suite and both GPU benchmarks in one go, on a CUDA machine, logs under OUT:
 #   bash benchmarks/gpu_all.sh [OUT]
 # Order: the op tests (fast), the kernel table, the end-to-end table, then the multi-process
-# suite (tests/gpu). Each step has a time limit (seconds, from the environment).
+# suite (tests/gpu). Each step has a time limit (seconds, from the environment); STEPS picks
+# steps (default: "ops kernel e2e suite"), KERNEL_ARGS passes options to gpu_kernel.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-results/gpu}
@@ -10,15 +11,17 @@ mkdir -p "$out"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 rc=0
-step() {  # step LIMIT LOG CMD...
-    local limit=$1 log=$2
-    shift 2
+steps=" ${STEPS:-ops kernel e2e suite} "
+step() {  # step NAME LIMIT LOG CMD...
+    [[ $steps == *" $1 "* ]] || return 0
+    local limit=$2 log=$3
+    shift 3
     timeout "$limit" "$@" 2>&1 | tee "$out/$log" || rc=1
 }
-step "${OPS_TIMEOUT:-150}" ops.log $PY -m pytest -q -rs -p no:cacheprovider tests/ops/test_fused_cuda.py \
+step ops "${OPS_TIMEOUT:-150}" ops.log $PY -m pytest -q -rs -p no:cacheprovider tests/ops/test_fused_cuda.py \
     tests/ops/test_triton_attn.py tests/ops/test_no_host_sync.py
-step "${KERNEL_TIMEOUT:-150}" kernel.md $PY benchmarks/gpu_kernel.py --json "$out/kernel.json"
-step "${E2E_TIMEOUT:-150}" e2e.md $PY benchmarks/gpu_e2e.py --json "$out/e2e.json"
+step kernel "${KERNEL_TIMEOUT:-150}" kernel.md $PY benchmarks/gpu_kernel.py --json "$out/kernel.json" ${KERNEL_ARGS:-}
+step e2e "${E2E_TIMEOUT:-150}" e2e.md $PY benchmarks/gpu_e2e.py --json "$out/e2e.json"
 # -v: a line per test as it ends (with -q a long first test leaves the log empty until then)
-step "${SUITE_TIMEOUT:-400}" suite.log $PY -m pytest -v -rs -p no:cacheprovider tests/gpu -k "${SUITE_K:-}"
+step suite "${SUITE_TIMEOUT:-400}" suite.log $PY -m pytest -v -rs -p no:cacheprovider tests/gpu -k "${SUITE_K:-}"
 exit $rc

@@ -1,8 +1,9 @@
 # ruff: noqa: B023  (each lambda is timed at once, inside its loop iteration)
 """The GPU decode kernel table: treeattn's local op against PyTorch SDPA, as % of the HBM
 read floor (K+V bytes / the rate of a 2 GiB ``sum`` on the same GPU), CUDA events, medians.
-In order: tree_decode at p = 1 against the local op, the split-count and kernel-shape sweeps
-(Triton), then the table; a failing cell (out of memory) is NaN, the run goes on.
+In order: host time and CUDA-graph replay of one call, the split-count, kernel-shape and
+multiply-add sweeps (Triton), tree_decode at p = 1 against the local op, then the table; a
+failing cell (out of memory, a compile error) is NaN, the run goes on. ``--sections`` picks.
 
     python benchmarks/gpu_kernel.py                       # bf16 and fp32, B 1 and 8, S 32k..1M
     python benchmarks/gpu_kernel.py --quick               # a few shapes
@@ -24,6 +25,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 
 import torch
 import torch.nn.functional as F
@@ -51,9 +53,43 @@ def cell(fn, reps: int) -> float:
     one cell must not cost the rest of a run on a borrowed GPU."""
     try:
         return timed(fn, reps)
-    except (torch.OutOfMemoryError, RuntimeError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001  (OOM, Triton's compile errors: the cell is NaN)
         print(f"cell failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr, flush=True)
         torch.cuda.empty_cache()
+        return float("nan")
+
+
+def host_us(fn, n: int = 200) -> float:
+    """Host microseconds per call, enqueueing ``n`` calls without a sync (the GPU keeps up at
+    these sizes, so this is the Python + launch cost)."""
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return t / n * 1e6
+
+
+def graph_ms(fn, reps: int) -> float:
+    """Median ms of one CUDA-graph replay of ``fn`` (GPU time without the host's)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return timed(g.replay, reps)
+
+
+def guarded(f, *args) -> float:
+    try:
+        return f(*args)
+    except Exception as e:  # noqa: BLE001
+        print(f"cell failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr, flush=True)
         return float("nan")
 
 
@@ -63,6 +99,67 @@ def read_rate() -> float:
     ms = timed(x.sum, 20)
     del x
     return (1 << 31) / (ms / 1e3)
+
+
+def host_and_graph(a, rows, T) -> None:
+    """One call's host cost and its GPU time alone (a CUDA-graph replay), beside the eager
+    event timing: the eager time is the larger of the two when the call is launch-bound."""
+    Hq, Hkv, D = a.heads[0], a.heads[1], a.dim
+    print("\n| dtype | B | S | variant | eager ms | host µs/call | graph ms |")
+    print("|---|---|---|---|---|---|---|")
+    s0 = a.sweep_seq[0]
+    for dname, B, S in [("bfloat16", 1, S) for S in a.sweep_seq[:2]] + [("float32", 1, s0), ("bfloat16", 8, s0)]:
+        dt = getattr(torch, dname)
+        q = torch.randn(B, Hq, 1, D, device="cuda", dtype=dt)
+        k = torch.randn(B, Hkv, S, D, device="cuda", dtype=dt)
+        v = torch.randn(B, Hkv, S, D, device="cuda", dtype=dt)
+        lens = torch.full((B,), S, device="cuda")
+        qg = q.view(B, Hkv, Hq // Hkv, D)
+        fns = {
+            "treeattn": lambda: attention_with_lse(q, k, v, check=False),
+            "ragged": lambda: attention_with_lse(q, k, v, kv_lens=lens, check=False),
+            "kernel alone": lambda: T._split_kv(qg, k, v, None, None, D**-0.5, 0.0, False),
+            "custom op": lambda: T.split_kv_attention(qg, k, v, None, None, D**-0.5, 0.0, False),
+            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+        }
+        for name, fn in fns.items():
+            ev = cell(fn, a.reps)
+            h = guarded(host_us, fn)
+            gr = guarded(graph_ms, fn, a.reps)
+            rows.append(dict(what="host and graph", dtype=dname, B=B, S=S, variant=name, eager_ms=ev, host_us=h, graph_ms=gr))
+            print(f"| {dname} | {B} | {S} | {name} | {ev:.3f} | {h:.1f} | {gr:.3f} |", flush=True)
+        q = k = v = None
+        torch.cuda.empty_cache()
+
+
+def fma_sweep(a, rows, T, rate) -> None:
+    """tl.dot (rows padded to 16) against multiply-adds over the real rows, per kernel shape."""
+    Hq, Hkv, D = a.heads[0], a.heads[1], a.dim
+    saved_rows, saved_cfg = dict(T.FMA_ROWS), dict(T.FMA_CONFIG)
+    head = "| dtype | B | S | floor ms | dot ms | " + " | ".join(f"fma {c[0]},{c[1]},{c[2]} ms" for c in a.fma_configs)
+    print("\n" + head + " |")
+    print("|---|---|---|---|---|" + "---|" * len(a.fma_configs))
+    ends = sorted({a.sweep_seq[0], a.sweep_seq[-1]})
+    for dname, B, S in [(d, B, S) for d in ("float32", "bfloat16") for B in (1, 8) for S in ends]:
+        dt = getattr(torch, dname)
+        nbytes = 2 * B * Hkv * S * D * dt.itemsize
+        if nbytes > a.max_gb * 1e9:
+            continue
+        q = torch.randn(B, Hq, 1, D, device="cuda", dtype=dt)
+        k = torch.randn(B, Hkv, S, D, device="cuda", dtype=dt)
+        T.FMA_ROWS = {}
+        ts = [cell(lambda: attention_with_lse(q, k, k, check=False), a.reps)]
+        T.FMA_ROWS = {dt: 64}
+        for bn, w, st in a.fma_configs:
+            T.FMA_CONFIG.update(BLOCK_N=bn, num_warps=w, num_stages=st)
+            ts.append(cell(lambda: attention_with_lse(q, k, k, check=False), a.reps))
+        T.FMA_ROWS, T.FMA_CONFIG = dict(saved_rows), dict(saved_cfg)
+        floor = nbytes / rate * 1e3
+        rows.append(dict(what="fma", dtype=dname, B=B, S=S, floor_ms=floor, dot_ms=ts[0], fma_ms=ts[1:],
+                         configs=[list(c) for c in a.fma_configs]))  # fmt: skip
+        print(f"| {dname} | {B} | {S} | {floor:.3f} | " + " | ".join(f"{x:.3f}" for x in ts) + " |", flush=True)
+        q = k = None
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -78,6 +175,9 @@ def main() -> None:
     ap.add_argument("--sweep-seq", type=int, nargs="+", default=[32768, 131072, 1048576])
     ap.add_argument("--configs", type=lambda x: tuple(int(y) for y in x.split(",")), nargs="+",
                     default=[(64, 4, 2), (64, 4, 3), (128, 4, 3), (128, 8, 3), (64, 4, 4), (32, 4, 4)])
+    ap.add_argument("--fma-configs", type=lambda x: tuple(int(y) for y in x.split(",")), nargs="+",
+                    default=[(16, 4, 2), (32, 4, 2), (32, 4, 3), (64, 4, 2), (32, 8, 2), (16, 2, 2)])
+    ap.add_argument("--sections", nargs="+", default=["host", "splits", "configs", "fma", "tree", "table"])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args()
@@ -90,23 +190,26 @@ def main() -> None:
           f"medians of {a.reps} CUDA-event timings\n")  # fmt: skip
     rows = []
     Hq, Hkv, D = a.heads[0], a.heads[1], a.dim
-    # the split count: programs per SM (bf16, B = 1)
     from treeattn.ops import _triton_attn as T
 
-    print("\n| S | " + " | ".join(f"{n}/SM ms" for n in a.per_sm) + " |")
-    print("|---|" + "---|" * len(a.per_sm))
+    if "host" in a.sections:
+        host_and_graph(a, rows, T)
+    # the split count: programs per SM (bf16, B = 1 and 8)
+    print("\n| B | S | " + " | ".join(f"{n}/SM ms" for n in a.per_sm) + " |")
+    print("|---|---|" + "---|" * len(a.per_sm))
     default = T.PROGRAMS_PER_SM
-    for S in a.sweep_seq:
-        q = torch.randn(1, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(1, Hkv, S, D, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(1, Hkv, S, D, device="cuda", dtype=torch.bfloat16)
+    for B, S in [(B, S) for B in (1, 8) for S in a.sweep_seq] if "splits" in a.sections else []:
+        q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16)
         ts = []
         for n in a.per_sm:
             T.PROGRAMS_PER_SM = n
-            ts.append(cell(lambda: attention_with_lse(q, k, v, check=False), a.reps))
+            ts.append(cell(lambda: attention_with_lse(q, k, k, check=False), a.reps))
         T.PROGRAMS_PER_SM = default
-        rows.append(dict(what="programs per SM", S=S, per_sm=a.per_sm, ms=ts))
-        print(f"| {S} | " + " | ".join(f"{x:.3f}" for x in ts) + " |", flush=True)
+        rows.append(dict(what="programs per SM", B=B, S=S, per_sm=a.per_sm, ms=ts))
+        print(f"| {B} | {S} | " + " | ".join(f"{x:.3f}" for x in ts) + " |", flush=True)
+        q = k = None
+        torch.cuda.empty_cache()
     # the kernel's shape: (BLOCK_N, num_warps, num_stages) of the decode and prefill configs
     print("\n| config (BLOCK_N, warps, stages) | " + " | ".join(f"decode S={S} ms" for S in a.sweep_seq)
           + " | prefill 4096 rows x 8192 ms |")  # fmt: skip
@@ -117,7 +220,7 @@ def main() -> None:
     qp = torch.randn(1, Hq, 1024, D, device="cuda", dtype=torch.bfloat16)
     kp = torch.randn(1, Hkv, 8192, D, device="cuda", dtype=torch.bfloat16)
     end = (torch.arange(1024, device="cuda") + 8192 - 1024 + 1).view(1, -1)
-    for bn, w, st in a.configs:
+    for bn, w, st in a.configs if "configs" in a.sections else []:
         cfg = dict(BLOCK_N=bn, num_warps=w, num_stages=st)
         T.DECODE_CONFIG.update(cfg)
         T.PREFILL_CONFIG.update(cfg)
@@ -131,6 +234,8 @@ def main() -> None:
         print(f"| {bn}, {w}, {st} | " + " | ".join(f"{x:.3f}" for x in ts) + " |", flush=True)
     T.DECODE_CONFIG.update(saved[0])
     T.PREFILL_CONFIG.update(saved[1])
+    if "fma" in a.sections:
+        fma_sweep(a, rows, T, rate)
     # tree_decode at p = 1 (NCCL) against the local op
     import torch.distributed as dist
 
@@ -138,7 +243,7 @@ def main() -> None:
         dist.init_process_group("nccl", init_method=f"file://{os.path.join(tmp, 's')}", rank=0, world_size=1)
         print("\n| dtype | S | local op ms | tree_decode p=1 ms | difference µs |")
         print("|---|---|---|---|---|")
-        for S in (32768, 131072):
+        for S in (32768, 131072) if "tree" in a.sections else ():
             dt = torch.bfloat16
             q = torch.randn(1, Hq, 1, D, device="cuda", dtype=dt)
             k = torch.randn(1, Hkv, S, D, device="cuda", dtype=dt)
@@ -152,7 +257,7 @@ def main() -> None:
     print()
     print("| dtype | B | S | floor ms | treeattn ms (% floor) | ragged ms | fused_cuda ms | sdpa ms (% floor) | treeattn / sdpa |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for dname in a.dtypes:
+    for dname in a.dtypes if "table" in a.sections else []:
         dt = getattr(torch, dname)
         for B in a.batch:
             for S in a.seq:

@@ -30,6 +30,16 @@ def dev(request):
     return request.param
 
 
+@pytest.fixture(params=["dot", "fma"])
+def variant(request, monkeypatch):
+    """Both ways the kernel takes its products: tl.dot, and multiply-adds over the real rows."""
+    if request.param == "fma":
+        monkeypatch.setattr(T, "FMA_ROWS", dict.fromkeys((torch.float16, torch.bfloat16, torch.float32), 1 << 30))
+    else:
+        monkeypatch.setattr(T, "FMA_ROWS", {})
+    return request.param
+
+
 def on(dev, *ts):
     return [t.to(dev) for t in ts]
 
@@ -37,7 +47,7 @@ def on(dev, *ts):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads,Tq", [((8, 8), 1), ((12, 4), 4), ((8, 1), 3)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_vs_float64_ragged_empty_and_garbage(dev, dtype, heads, Tq, causal):
+def test_vs_float64_ragged_empty_and_garbage(dev, variant, dtype, heads, Tq, causal):
     """kv_lens with a full, an empty and a short row whose unused slots hold NaN; enough keys
     for several splits (the merge runs)."""
     g = torch.Generator().manual_seed(0)
@@ -60,7 +70,7 @@ def test_vs_float64_ragged_empty_and_garbage(dev, dtype, heads, Tq, causal):
     "shape,mode,cap",
     list(itertools.product([(1, 8, 2, 1, 80, 48), (2, 6, 3, 4, 128, 128), (3, 4, 1, 2, 32, 32)], ["seq", "row"], [None, 5.0])),
 )
-def test_windows_softcap_head_dims(dev, shape, mode, cap):
+def test_windows_softcap_head_dims(dev, variant, shape, mode, cap):
     """kv_start per sequence and per query, softcap, D != Dv and D not a power of two."""
     B, Hq, Hkv, Tq, D, Dv = shape
     q, k, _ = make(B, Hq, Hkv, Tq, 300, D, torch.bfloat16)
@@ -84,7 +94,7 @@ def test_prefill_rows_per_row_bounds(dev):
     check(out.cpu(), lse.cpu(), q, k, v, causal=True)
 
 
-def test_nan_contract(dev):
+def test_nan_contract(dev, variant):
     """A visible NaN key makes its rows NaN; a NaN or inf value reaches only the rows that
     weigh it, in its own dims; an empty row is (0, -inf)."""
     q, k, v = make(1, 2, 1, 3, 600, 32, torch.float32)  # 3 splits: the merge kernel keeps the contract too

@@ -59,9 +59,15 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _blocks(R: int, D: int, Dv: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_D, BLOCK_DV): tl.dot needs every side >= 16 (BLOCK_N: the configs below)."""
-    bm = max(16, min(64, triton_next_pow2(R)))
+def _fma(R: int, dtype: torch.dtype) -> bool:
+    """Whether the products run as multiply-adds over the real rows instead of tl.dot."""
+    return R <= FMA_ROWS.get(dtype, 0)
+
+
+def _blocks(R: int, D: int, Dv: int, fma: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_D, BLOCK_DV): tl.dot needs every side >= 16 (BLOCK_N: the configs below);
+    the multiply-adds take the rows' power of two."""
+    bm = max(2, min(64, triton_next_pow2(R))) if fma else max(16, min(64, triton_next_pow2(R)))
     return bm, max(16, triton_next_pow2(D)), max(16, triton_next_pow2(Dv))
 
 
@@ -69,13 +75,13 @@ def triton_next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def num_splits(B: int, H: int, R: int, S: int, device: torch.device) -> int:
+def num_splits(B: int, H: int, R: int, S: int, device: torch.device, fma: bool = False) -> int:
     """Key splits per (sequence, KV head, row block): ``PROGRAMS_PER_SM`` programs per SM, each
     split at least 256 keys. A pure function of host-known shapes (no device read). Under the
     interpreter (CPU tensors) up to 3, so that tests run the merge."""
     if device.type == "cpu":
         return max(1, min(3, -(-S // 256)))
-    bm = _blocks(R, 16, 16)[0]
+    bm = _blocks(R, 16, 16, fma)[0]
     programs = B * H * -(-R // bm)
     want = -(-PROGRAMS_PER_SM * _sm_count(device) // programs)
     return max(1, min(want, -(-S // 256)))
@@ -94,9 +100,11 @@ def _kernel():
         sob, soh, sos, sor, sod, slb, slh, sls, slr,
         H, R, S, D, DV, split_len, qk_scale, cap_in, cap_out,
         HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, SOFTCAP: tl.constexpr, ROW_BOUNDS: tl.constexpr,
-        IEEE: tl.constexpr, F32DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_DV: tl.constexpr,
+        IEEE: tl.constexpr, F32DOT: tl.constexpr, FMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):  # fmt: skip
+        # FMA: the products as broadcast multiply-adds over the BLOCK_M real rows (tl.dot pads
+        # a few rows to 16, and float32's exact products pay for the padding), else tl.dot
         pid_bh = tl.program_id(0)  # axis 0: up to 2**31 - 1 programs (axes 1 and 2: 65535)
         pid_m = tl.program_id(1)
         pid_s = tl.program_id(2)
@@ -110,7 +118,7 @@ def _kernel():
             Q + b * sqb + h * sqh + rows[:, None] * sqr + dd[None, :] * sqd,
             mask=rmask[:, None] & (dd[None, :] < D), other=0.0,
         )  # fmt: skip
-        if F32DOT:
+        if F32DOT or FMA:
             q = q.to(tl.float32)
         if HAS_LO:
             lo = tl.load(LO + b * slob + rows * slor, mask=rmask, other=S).to(tl.int32)
@@ -140,9 +148,11 @@ def _kernel():
             cols = n0 + tl.arange(0, BLOCK_N)
             cmask = (cols >= lo_min) & (cols < n_hi)
             k = tl.load(kbase + cols[:, None] * sks + dd[None, :] * skd, mask=cmask[:, None] & (dd[None, :] < D), other=0.0)
-            if F32DOT:
+            if F32DOT or FMA:
                 k = k.to(tl.float32)
-            if IEEE:
+            if FMA:
+                s = tl.sum(q[:, None, :] * k[None, :, :], 2)
+            elif IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
@@ -167,18 +177,26 @@ def _kernel():
                 fin = (vf == vf) & (tl.abs(vf) != float("inf"))
                 if tl.sum((~fin).to(tl.int32)) > 0:
                     w = (p > 0).to(tl.float32)
-                    v_nan += tl.dot(w, (vf != vf).to(tl.float32), input_precision="ieee")
-                    v_pinf += tl.dot(w, (vf == float("inf")).to(tl.float32), input_precision="ieee")
-                    v_ninf += tl.dot(w, (vf == float("-inf")).to(tl.float32), input_precision="ieee")
+                    if FMA:
+                        v_nan += tl.sum(w[:, :, None] * (vf != vf).to(tl.float32)[None, :, :], 1)
+                        v_pinf += tl.sum(w[:, :, None] * (vf == float("inf")).to(tl.float32)[None, :, :], 1)
+                        v_ninf += tl.sum(w[:, :, None] * (vf == float("-inf")).to(tl.float32)[None, :, :], 1)
+                    else:
+                        v_nan += tl.dot(w, (vf != vf).to(tl.float32), input_precision="ieee")
+                        v_pinf += tl.dot(w, (vf == float("inf")).to(tl.float32), input_precision="ieee")
+                        v_ninf += tl.dot(w, (vf == float("-inf")).to(tl.float32), input_precision="ieee")
                     v = tl.where(fin, v, 0.0)
-            pv = p.to(v.dtype)
-            if F32DOT:  # the same rounding of p, then a float32 product
-                pv = pv.to(tl.float32)
-                v = v.to(tl.float32)
-            if IEEE:
-                acc += tl.dot(pv, v, input_precision="ieee")
+            if FMA:  # p unrounded, float32 products
+                acc += tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
             else:
-                acc += tl.dot(pv, v)
+                pv = p.to(v.dtype)
+                if F32DOT:  # the same rounding of p, then a float32 product
+                    pv = pv.to(tl.float32)
+                    v = v.to(tl.float32)
+                if IEEE:
+                    acc += tl.dot(pv, v, input_precision="ieee")
+                else:
+                    acc += tl.dot(pv, v)
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         if ROW_BOUNDS:
@@ -237,10 +255,12 @@ def _rows2(t: Tensor | None) -> tuple[Tensor | None, int, int]:
 # GPU run so far the sweep did not get to run, docs/benchmarks.md section 14)
 DECODE_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=2)  # few rows per (sequence, KV head)
 PREFILL_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=2)  # row blocks of 64
+FMA_CONFIG = dict(BLOCK_N=32, num_warps=4, num_stages=2)  # the multiply-add variant
+# rows per (sequence, KV head) up to which a dtype takes the multiply-add variant (0: never)
+FMA_ROWS: dict[torch.dtype, int] = {}
 
 
-@torch.library.custom_op("treeattn::split_kv_attention", mutates_args=())
-def split_kv_attention(
+def _split_kv(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -256,13 +276,14 @@ def split_kv_attention(
     merged by a second kernel with :func:`~treeattn.ops.state.merge_states_n`'s semantics."""
     B, H, R, D = q.shape
     S, Dv = k.shape[2], v.shape[3]
-    splits = num_splits(B, H, R, S, q.device)
+    fma = _fma(R, q.dtype)
+    splits = num_splits(B, H, R, S, q.device, fma)
     out = torch.empty(B, H, R, Dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, H, R, dtype=torch.float32, device=q.device)
     if lse.numel() == 0:
         return out, lse
-    cfg = DECODE_CONFIG if splits > 1 or R <= 16 else PREFILL_CONFIG
-    bm, bd, bdv = _blocks(R, D, Dv)
+    cfg = FMA_CONFIG if fma else DECODE_CONFIG if splits > 1 or R <= 16 else PREFILL_CONFIG
+    bm, bd, bdv = _blocks(R, D, Dv, fma)
     bn = cfg["BLOCK_N"]
     split_len = -(-max(S, 1) // splits)
     split_len = -(-split_len // bn) * bn
@@ -280,7 +301,7 @@ def split_kv_attention(
         *q.stride(), *k.stride(), *v.stride(), slob, slor, shib, shir, *po.stride(), *pl.stride(),
         H, R, S, D, Dv, split_len, scale * _LOG2E, scale / cap if cap else 0.0, cap * _LOG2E,
         HAS_LO=lo is not None, HAS_HI=hi is not None, SOFTCAP=cap > 0, ROW_BOUNDS=row_bounds,
-        IEEE=q.dtype == torch.float32 or interp, F32DOT=interp, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
+        IEEE=q.dtype == torch.float32 or interp, F32DOT=interp, FMA=fma, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
         BLOCK_DV=bdv, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if splits > 1:
@@ -289,6 +310,9 @@ def split_kv_attention(
             BLOCK_S=triton_next_pow2(splits), BLOCK_DV=bdv,
         )  # fmt: skip
     return out, lse
+
+
+split_kv_attention = torch.library.custom_op("treeattn::split_kv_attention", _split_kv, mutates_args=())
 
 
 @split_kv_attention.register_fake
@@ -316,4 +340,10 @@ def triton_attention(
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    return split_kv_attention(qg, k, v, lo, hi, float(scale), float(softcap or 0.0), bool(row_bounds))
+    # plain tensors outside torch.compile skip the custom op's dispatch (host time per call);
+    # FakeTensor, functional tensors and compiled graphs see the op and its fake
+    plain = type(qg) is Tensor and not torch.compiler.is_compiling()
+    if plain and torch.is_grad_enabled():  # autograd meets the op (which has no backward) and says so
+        plain = not (qg.requires_grad or k.requires_grad or v.requires_grad)
+    op = _split_kv if plain else split_kv_attention
+    return op(qg, k, v, lo, hi, float(scale), float(softcap or 0.0), bool(row_bounds))
