@@ -32,7 +32,8 @@ def dev(request):
 
 @pytest.fixture(params=["dot", "fma"])
 def variant(request, monkeypatch):
-    """Both ways the kernel takes its products: tl.dot, and multiply-adds over the real rows."""
+    """Both ways the kernel takes its products: tl.dot, and multiply-adds over the real rows
+    (every dtype up to 8 rows per KV head; beyond, tl.dot)."""
     if request.param == "fma":
         monkeypatch.setattr(T, "FMA_ROWS", dict.fromkeys((torch.float16, torch.bfloat16, torch.float32), 1 << 30))
     else:
@@ -45,7 +46,7 @@ def on(dev, *ts):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("heads,Tq", [((8, 8), 1), ((12, 4), 4), ((8, 1), 3)])
+@pytest.mark.parametrize("heads,Tq", [((8, 8), 1), ((16, 4), 2), ((12, 4), 4), ((8, 1), 3)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_vs_float64_ragged_empty_and_garbage(dev, variant, dtype, heads, Tq, causal):
     """kv_lens with a full, an empty and a short row whose unused slots hold NaN; enough keys

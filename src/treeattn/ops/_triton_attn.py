@@ -60,8 +60,10 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _fma(R: int, dtype: torch.dtype) -> bool:
-    """Whether the products run as multiply-adds over the real rows instead of tl.dot."""
-    return R <= FMA_ROWS.get(dtype, 0)
+    """Whether the products run as multiply-adds over the real rows instead of tl.dot. At most
+    8 rows: from 16 Triton turns a broadcast multiply-reduce back into tl.dot, which takes
+    float32 as tf32 (seen on the H200: float32 errors past the tolerance at 12 and 24 rows)."""
+    return R <= min(FMA_ROWS.get(dtype, 0), 8)
 
 
 def _blocks(R: int, D: int, Dv: int, fma: bool = False) -> tuple[int, int, int]:
@@ -251,13 +253,30 @@ def _rows2(t: Tensor | None) -> tuple[Tensor | None, int, int]:
     return t, t.stride(0), t.stride(1)
 
 
-# kernel shapes: a first choice, not tuned yet (benchmarks/gpu_kernel.py sweeps them; on the one
-# GPU run so far the sweep did not get to run, docs/benchmarks.md section 14)
-DECODE_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=2)  # few rows per (sequence, KV head)
+# kernel shapes from benchmarks/gpu_kernel.py's sweeps on one H200 (docs/benchmarks.md section
+# 14; bf16, 32/8 heads x 128, B = 1, ms at S = 32k / 128k / 1M): decode (64, 4, 3) 0.164 / 0.238
+# / 0.848 against (64, 4, 2) 0.271 / 0.268 / 0.923; prefill (64, 4, 2) 1.72 ms against 2.15
+# for (64, 4, 3); (128, *, 3) exceeds the shared memory
+DECODE_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=3)  # few rows per (sequence, KV head)
 PREFILL_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=2)  # row blocks of 64
-FMA_CONFIG = dict(BLOCK_N=32, num_warps=4, num_stages=2)  # the multiply-add variant
-# rows per (sequence, KV head) up to which a dtype takes the multiply-add variant (0: never)
-FMA_ROWS: dict[torch.dtype, int] = {}
+# the multiply-add variant: float32 decode (4 rows) at 1M keys 4.90 ms against tl.dot's 6.51,
+# at 32k 0.27 against 0.37; bf16 loses (4.5 ms against 0.83 at 1M) and keeps tl.dot
+FMA_CONFIG = dict(BLOCK_N=16, num_warps=2, num_stages=2)
+# rows per (sequence, KV head) up to which a dtype takes the multiply-add variant (0: never; 8 at most)
+FMA_ROWS: dict[torch.dtype, int] = {torch.float32: 8}
+_SMEM = 160 * 1024  # bytes of K/V pipeline buffers a config may ask for (the H100/H200 have 227 KiB)
+
+
+def _config(cfg: dict, D: int, Dv: int, itemsize: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of ``cfg``, stages then BLOCK_N cut until the K/V
+    buffers fit (float32 or head dims of 256 would not)."""
+    bn, st = cfg["BLOCK_N"], cfg["num_stages"]
+    while st * bn * (D + Dv) * itemsize > _SMEM and (st > 1 or bn > 16):
+        if st > 2 or bn == 16:
+            st -= 1
+        else:
+            bn //= 2
+    return bn, cfg["num_warps"], st
 
 
 def _split_kv(
@@ -284,7 +303,7 @@ def _split_kv(
         return out, lse
     cfg = FMA_CONFIG if fma else DECODE_CONFIG if splits > 1 or R <= 16 else PREFILL_CONFIG
     bm, bd, bdv = _blocks(R, D, Dv, fma)
-    bn = cfg["BLOCK_N"]
+    bn, warps, stages = _config(cfg, bd, bdv, k.element_size())
     split_len = -(-max(S, 1) // splits)
     split_len = -(-split_len // bn) * bn
     po, pl = out.unsqueeze(2), lse.unsqueeze(2)  # [B, H, 1, R(, Dv)]: one split writes the result
@@ -302,7 +321,7 @@ def _split_kv(
         H, R, S, D, Dv, split_len, scale * _LOG2E, scale / cap if cap else 0.0, cap * _LOG2E,
         HAS_LO=lo is not None, HAS_HI=hi is not None, SOFTCAP=cap > 0, ROW_BOUNDS=row_bounds,
         IEEE=q.dtype == torch.float32 or interp, F32DOT=interp, FMA=fma, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
-        BLOCK_DV=bdv, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        BLOCK_DV=bdv, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if splits > 1:
         merge[(B * H * R,)](
