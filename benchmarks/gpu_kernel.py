@@ -147,18 +147,19 @@ def fma_sweep(a, rows, T, rate) -> None:
             continue
         q = torch.randn(B, Hq, 1, D, device="cuda", dtype=dt)
         k = torch.randn(B, Hkv, S, D, device="cuda", dtype=dt)
+        v = torch.randn_like(k)
         T.FMA_ROWS = {}
-        ts = [cell(lambda: attention_with_lse(q, k, k, check=False), a.reps)]
+        ts = [cell(lambda: attention_with_lse(q, k, v, check=False), a.reps)]
         T.FMA_ROWS = {dt: 64}
         for bn, w, st in a.fma_configs:
             T.FMA_CONFIG.update(BLOCK_N=bn, num_warps=w, num_stages=st)
-            ts.append(cell(lambda: attention_with_lse(q, k, k, check=False), a.reps))
+            ts.append(cell(lambda: attention_with_lse(q, k, v, check=False), a.reps))
         T.FMA_ROWS, T.FMA_CONFIG = dict(saved_rows), dict(saved_cfg)
         floor = nbytes / rate * 1e3
         rows.append(dict(what="fma", dtype=dname, B=B, S=S, floor_ms=floor, dot_ms=ts[0], fma_ms=ts[1:],
                          configs=[list(c) for c in a.fma_configs]))  # fmt: skip
         print(f"| {dname} | {B} | {S} | {floor:.3f} | " + " | ".join(f"{x:.3f}" for x in ts) + " |", flush=True)
-        q = k = None
+        q = k = v = None
         torch.cuda.empty_cache()
 
 
@@ -174,9 +175,9 @@ def main() -> None:
     ap.add_argument("--per-sm", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="split-count sweep")
     ap.add_argument("--sweep-seq", type=int, nargs="+", default=[32768, 131072, 1048576])
     ap.add_argument("--configs", type=lambda x: tuple(int(y) for y in x.split(",")), nargs="+",
-                    default=[(64, 4, 2), (64, 4, 3), (128, 4, 3), (128, 8, 3), (64, 4, 4), (32, 4, 4)])
+                    default=[(64, 4, 2), (64, 4, 3), (32, 4, 4), (64, 8, 2), (32, 4, 2)])
     ap.add_argument("--fma-configs", type=lambda x: tuple(int(y) for y in x.split(",")), nargs="+",
-                    default=[(16, 4, 2), (32, 4, 2), (32, 4, 3), (64, 4, 2), (32, 8, 2), (16, 2, 2)])
+                    default=[(16, 1, 2), (16, 2, 2), (8, 2, 2), (16, 1, 3), (32, 2, 2)])
     ap.add_argument("--sections", nargs="+", default=["host", "splits", "configs", "fma", "tree", "table"])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", help="write the rows here")
@@ -201,14 +202,15 @@ def main() -> None:
     for B, S in [(B, S) for B in (1, 8) for S in a.sweep_seq] if "splits" in a.sections else []:
         q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)  # not k again: V's loads must cost what they cost
         ts = []
         for n in a.per_sm:
             T.PROGRAMS_PER_SM = n
-            ts.append(cell(lambda: attention_with_lse(q, k, k, check=False), a.reps))
+            ts.append(cell(lambda: attention_with_lse(q, k, v, check=False), a.reps))
         T.PROGRAMS_PER_SM = default
         rows.append(dict(what="programs per SM", B=B, S=S, per_sm=a.per_sm, ms=ts))
         print(f"| {B} | {S} | " + " | ".join(f"{x:.3f}" for x in ts) + " |", flush=True)
-        q = k = None
+        q = k = v = None
         torch.cuda.empty_cache()
     # the kernel's shape: (BLOCK_N, num_warps, num_stages) of the decode and prefill configs
     print("\n| config (BLOCK_N, warps, stages) | " + " | ".join(f"decode S={S} ms" for S in a.sweep_seq)
@@ -219,6 +221,7 @@ def main() -> None:
     saved = dict(T.DECODE_CONFIG), dict(T.PREFILL_CONFIG)
     qp = torch.randn(1, Hq, 1024, D, device="cuda", dtype=torch.bfloat16)
     kp = torch.randn(1, Hkv, 8192, D, device="cuda", dtype=torch.bfloat16)
+    vp = torch.randn_like(kp)
     end = (torch.arange(1024, device="cuda") + 8192 - 1024 + 1).view(1, -1)
     for bn, w, st in a.configs if "configs" in a.sections else []:
         cfg = dict(BLOCK_N=bn, num_warps=w, num_stages=st)
@@ -228,8 +231,9 @@ def main() -> None:
         for S in a.sweep_seq:
             q = torch.randn(1, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
             k = torch.randn(1, Hkv, S, D, device="cuda", dtype=torch.bfloat16)
-            ts.append(cell(lambda: attention_with_lse(q, k, k, check=False), a.reps))
-        ts.append(cell(lambda: _attention(qp, kp, kp, kv_end=end, backend="triton", keep_fp32=True), a.reps))
+            v = torch.randn_like(k)
+            ts.append(cell(lambda: attention_with_lse(q, k, v, check=False), a.reps))
+        ts.append(cell(lambda: _attention(qp, kp, vp, kv_end=end, backend="triton", keep_fp32=True), a.reps))
         rows.append(dict(what="config", config=[bn, w, st], ms=ts))
         print(f"| {bn}, {w}, {st} | " + " | ".join(f"{x:.3f}" for x in ts) + " |", flush=True)
     T.DECODE_CONFIG.update(saved[0])

@@ -137,3 +137,15 @@ def test_auto_picks_triton_on_cuda_only():
     assert _pick_backend(q, q, q) != "triton"  # CPU tensors: never, even under the interpreter
     with pytest.raises(ValueError, match="triton"):
         attention_with_lse(q.double(), q.double(), q.double(), backend="triton")
+
+
+def test_kernel_shapes_fit_the_shared_memory():
+    """The K/V pipeline buffers of every config fit: float32 and head dims of 256 get fewer
+    stages or smaller key blocks (Triton refuses a launch past 227 KiB on the H100/H200)."""
+    for cfg in (T.DECODE_CONFIG, T.PREFILL_CONFIG, T.FMA_CONFIG, dict(BLOCK_N=128, num_warps=8, num_stages=4)):
+        for d in (64, 128, 256):
+            for size in (2, 4):
+                bn, warps, stages = T._config(cfg, d, d, size)
+                assert stages * bn * 2 * d * size <= T._SMEM and stages >= 1 and bn >= 16 and warps == cfg["num_warps"]
+    assert T._config(dict(BLOCK_N=64, num_warps=4, num_stages=2), 128, 128, 2) == (64, 4, 2)  # bf16 D=128: untouched
+    assert [T._merge_block(n) for n in (1, 16, 17, 128, 129, 528)] == [16, 16, 128, 128, 256, 1024]

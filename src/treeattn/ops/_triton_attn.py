@@ -253,18 +253,28 @@ def _rows2(t: Tensor | None) -> tuple[Tensor | None, int, int]:
     return t, t.stride(0), t.stride(1)
 
 
-# kernel shapes from benchmarks/gpu_kernel.py's sweeps on one H200 (docs/benchmarks.md section
-# 14; bf16, 32/8 heads x 128, B = 1, ms at S = 32k / 128k / 1M): decode (64, 4, 3) 0.164 / 0.238
-# / 0.848 against (64, 4, 2) 0.271 / 0.268 / 0.923; prefill (64, 4, 2) 1.72 ms against 2.15
-# for (64, 4, 3); (128, *, 3) exceeds the shared memory
-DECODE_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=3)  # few rows per (sequence, KV head)
+# kernel shapes (BLOCK_N, num_warps, num_stages) from benchmarks/gpu_kernel.py on one H200
+# (2026-11-27, docs/benchmarks.md section 14; 32/8 heads x 128, Tq = 1). Decode, bf16, the whole
+# table: (64, 4, 2) 96 / 80 % of the read floor at B = 1, S = 1M / 512k and 95-97 % at B = 8,
+# S >= 128k; (64, 4, 3) 83 / 74 % and 93-102 %. (A sweep that read K twice, as V, ranked 3 stages
+# first: it hid V's loads.) Prefill (4096 rows x 8192 keys): (64, 4, 2) 1.72 ms, (64, 4, 3)
+# 2.15, (32, 4, 4) 1.82; (128, *, 3) exceeds the shared memory.
+DECODE_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=2)  # few rows per (sequence, KV head)
 PREFILL_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=2)  # row blocks of 64
-# the multiply-add variant: float32 decode (4 rows) at 1M keys 4.90 ms against tl.dot's 6.51,
-# at 32k 0.27 against 0.37; bf16 loses (4.5 ms against 0.83 at 1M) and keeps tl.dot
-FMA_CONFIG = dict(BLOCK_N=16, num_warps=2, num_stages=2)
+# the multiply-add variant, float32 decode (4 rows), ms at B = 1 S = 32k / B = 1 S = 1M / B = 8
+# S = 32k (K read as V): tl.dot 0.37 / 6.67 / 2.43; (16, 2, 2) 0.31 / 4.93 / 2.09; (16, 1, 2)
+# 0.23 / 4.12 / 1.16; (8, 2, 2) 0.37 / 5.04 / 1.61; (32, 2, 2) 0.42 / 6.78 / 2.48. bf16 loses
+# (3.8-5.6 ms against tl.dot's 0.92 at 1M) and keeps tl.dot
+FMA_CONFIG = dict(BLOCK_N=16, num_warps=1, num_stages=2)
 # rows per (sequence, KV head) up to which a dtype takes the multiply-add variant (0: never; 8 at most)
 FMA_ROWS: dict[torch.dtype, int] = {torch.float32: 8}
 _SMEM = 160 * 1024  # bytes of K/V pipeline buffers a config may ask for (the H100/H200 have 227 KiB)
+
+
+def _merge_block(splits: int) -> int:
+    """The merge's split block: few sizes, so that few variants compile (each new one costs
+    seconds, inside the first call with that split count)."""
+    return 16 if splits <= 16 else 128 if splits <= 128 else triton_next_pow2(splits)
 
 
 def _config(cfg: dict, D: int, Dv: int, itemsize: int) -> tuple[int, int, int]:
@@ -326,7 +336,7 @@ def _split_kv(
     if splits > 1:
         merge[(B * H * R,)](
             po, pl, out, lse, *po.stride(), *pl.stride(), *out.stride(), *lse.stride(), H, R, Dv, splits,
-            BLOCK_S=triton_next_pow2(splits), BLOCK_DV=bdv,
+            BLOCK_S=_merge_block(splits), BLOCK_DV=bdv,
         )  # fmt: skip
     return out, lse
 
