@@ -203,22 +203,28 @@ def pick(q: Tensor, k: Tensor, v: Tensor, *, plain: bool = False, causal_rows: b
     return "torch"
 
 
-# CUDA, one H200 (benchmarks/gpu_kernel.py, 2026-11-26; Hq/Hkv 32/8 x 128, Tq = 1, medians of
-# 30 CUDA-event timings, ms; fused_cuda = aten_flash on the folded rows):
+# CUDA, one H200 (benchmarks/gpu_kernel.py, 2026-11-27 at 32cc966, the Triton decode shape
+# (64, 4, 2); Hq/Hkv 32/8 x 128, Tq = 1, medians of 30 CUDA-event timings, ms; fused_cuda =
+# aten_flash on the folded rows). Eager calls up to ~128k keys are host-bound (two Triton
+# launches, ~0.14 ms of host time); a CUDA-graph replay of the Triton op took 0.047 / 0.137 ms
+# at B = 1, S = 32k / 128k, SDPA's 0.042 / 0.130.
 #   bf16   B  S      triton   fused_cuda   SDPA
-#          1  32k    0.182    0.424        0.063
-#          1  128k   0.309    0.317        0.143
-#          1  512k   0.593    0.688        0.498
-#          1  1M     1.073    1.119        0.984
-#          8  32k    0.433    0.355        0.261
-#          8  128k   1.449    1.093        0.970
-#          8  512k   5.474    4.414        3.873
-#          8  1M     10.809   8.743        7.523
-#   fp32   triton 0.31-6.5 ms at B = 1 and 2.3-8.8 ms at B = 8, against 3.2-98 ms for fused_cuda
-#          (aten's efficient kernel, no key splits) and 1.4-46 ms for SDPA.
+#          1  32k    0.273    0.344        0.066
+#          1  128k   0.301    0.338        0.156
+#          1  512k   0.662    0.648        0.512
+#          1  1M     1.093    1.170        0.973
+#          8  32k    0.399    0.375        0.266
+#          8  128k   1.111    1.106        0.980
+#          8  512k   4.351    4.357        3.826
+#          8  1M     8.700    8.801        7.582
+#   (2026-11-26, the first kernel: triton 1.449 / 5.474 / 10.809 at B = 8, S = 128k / 512k / 1M,
+#   hence aten_flash from 64 pairs; since then the two are within 1 % there and it stays.)
+#   fp32   triton 0.28-5.1 ms at B = 1 and 2.3-31 ms at B = 8 (2026-11-27, multiply-adds), against
+#          3.5-100 ms for fused_cuda (aten's efficient kernel, no key splits) and 1.5-47 ms for SDPA.
 #   fp32 prefill (an 8,192-token prompt through a 1B-shaped model): the Triton kernel's exact
 #          (IEEE) float32 products made time to first token 5.9x transformers', so float32 calls
-#          with many rows and no per-row bounds stay on aten's efficient kernel.
+#          with many rows and no per-row bounds stay on aten's efficient kernel (0.49x
+#          transformers' time to first token, 2026-11-27).
 _FLASH_MIN_PAIRS = 64  # (sequence, KV head) pairs from which aten_flash beat the Triton kernel
 _TRITON_F32_MAX_ROWS = 16  # float32 rows per KV head up to which the Triton kernel runs plain calls
 
