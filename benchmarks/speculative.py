@@ -25,7 +25,7 @@ QUESTIONS = {  # an answer that quotes the document, and one that does not
 }
 
 
-def worker(model_dir, ids, new, variants):
+def worker(model_dir, ids, new, variants, repeat=1):
     import copy
 
     import torch
@@ -40,7 +40,7 @@ def worker(model_dir, ids, new, variants):
     model, tok = load_model(model_dir)
     draft = copy.deepcopy(model) if rank == 0 else None
     rows, plain = [], None
-    for name, attention, kw in variants:
+    for rnd, (name, attention, kw) in ((r, v) for r in range(repeat) for v in variants):
         if kw.get("speculate") == "draft":
             kw = {**kw, "draft_model": draft}
         info = {}
@@ -49,23 +49,31 @@ def worker(model_dir, ids, new, variants):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
         n = len(info["decode"])
         plain = out if plain is None else plain
-        rows.append((name, attention, n + 1, 1e3 * float(t[0]) / max(n, 1), info.get("mean_accepted_length", 1.0),
+        rows.append((rnd, name, attention, n + 1, 1e3 * float(t[0]) / max(n, 1), info.get("mean_accepted_length", 1.0),
                      info.get("acceptance_rates", []), info.get("target_forwards", n), torch.equal(out, plain),
                      float(t[1])))  # fmt: skip
         if rank == 0 and "step_costs" in info:
             print(f"{name}: measured step cost by tokens per step (plain = 1): "
                   + " ".join(f"{T}: {c:.3f}" for T, c in info["step_costs"].items()), flush=True)  # fmt: skip
-        if rank == 0 and name == "plain":
+        if rank == 0 and name == "plain" and rnd == 0:
             print("answer:", repr(tok.decode(out[0], skip_special_tokens=True)), flush=True)
     if rank == 0:
-        base = {a: r[3] for r in rows for a in [r[1]] if r[0] == "plain"}
-        print("\n| variant | attention | tokens | target forwards | ms/token | vs plain | mean accepted length "
+        import statistics
+
+        base = {(r[0], r[2]): r[4] for r in rows if r[1] == "plain"}  # (round, attention) -> ms/token
+        print("\n| round | variant | attention | tokens | target forwards | ms/token | vs plain | mean accepted length "
               "| acceptance per position | same text | TTFT s |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for name, at, n, ms, mal, rates, fw, same, ttft in rows:
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        ratios: dict[tuple[str, str], list[float]] = {}
+        for rnd, name, at, n, ms, mal, rates, fw, same, ttft in rows:
             acc = " ".join(f"{r:.2f}" for r in rates) or "-"
-            print(f"| {name} | {at} | {n} | {fw} | {ms:.1f} | {ms / base[at]:.2f}x | {mal:.2f} | {acc} | "
-                  f"{'yes' if same else 'NO'} | {ttft:.1f} |")  # fmt: skip
+            ratios.setdefault((name, at), []).append(ms / base[(rnd, at)])
+            print(f"| {rnd + 1} | {name} | {at} | {n} | {fw} | {ms:.1f} | {ms / base[(rnd, at)]:.2f}x | {mal:.2f} | "
+                  f"{acc} | {'yes' if same else 'NO'} | {ttft:.1f} |")  # fmt: skip
+        if repeat > 1:
+            print(f"\nmedian over {repeat} rounds of ms/token against the same round's plain (min-max):\n")
+            for (name, at), xs in ratios.items():
+                print(f"- {name} ({at}): {statistics.median(xs):.3f}x ({min(xs):.3f}-{max(xs):.3f})")
 
 
 def breakdown_worker(model_dir, ids, new, rounds):
@@ -156,6 +164,8 @@ def main() -> None:
     ap.add_argument("--question", choices=list(QUESTIONS), default="quote",
                     help="quote: an answer that quotes the document (default); explain: one that does not")  # fmt: skip
     ap.add_argument("--fixed", action="store_true", help="also every drafter at a fixed draft depth")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of every variant, alternating (medians of ratios)")
+    ap.add_argument("--only", nargs="+", help="variants whose name starts with one of these (plain always runs)")
     a = ap.parse_args()
     gguf_path = smollm2_gguf()
     from transformers import AutoTokenizer
@@ -185,10 +195,12 @@ def main() -> None:
                                                                                    num_draft_tokens=k))]  # fmt: skip
     print(f"{a.doc}: {ids.shape[1]:,} prompt tokens, question {a.question!r}, p={a.nproc}, greedy, at most "
           f"{a.max_new_tokens} new tokens, k={k}")  # fmt: skip
+    if a.only:
+        variants = [v for v in variants if v[0] == "plain" or any(v[0].startswith(o) for o in a.only)]
     if a.breakdown:
         launch(breakdown_worker, a.nproc, (str(d), ids, 32, a.rounds), timeout=7200)
     else:
-        launch(worker, a.nproc, (str(d), ids, a.max_new_tokens, variants), timeout=7200)
+        launch(worker, a.nproc, (str(d), ids, a.max_new_tokens, variants, a.repeat), timeout=7200)
 
 
 if __name__ == "__main__":
