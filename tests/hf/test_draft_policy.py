@@ -8,9 +8,10 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
-from treeattn.hf._draft_policy import DraftPolicy
-from treeattn.hf.speculative import Draft, _cut
+from treeattn.hf._draft_policy import DraftPolicy, evidence
+from treeattn.hf.speculative import Draft, PromptLookup, _cut
 
 
 def simulate(alpha: float, beta: float, kind, steps: int = 3000, k: int = 5, seed: int = 0,
@@ -34,7 +35,7 @@ def simulate(alpha: float, beta: float, kind, steps: int = 3000, k: int = 5, see
     return tokens / time
 
 
-@pytest.mark.parametrize("kind", [1, 2, 3, "model"])
+@pytest.mark.parametrize("kind", [1, 2, 3, 6, "model"])
 @pytest.mark.parametrize("beta", [0.0, 0.03, 0.1, 0.5, 2.0])
 @pytest.mark.parametrize("alpha", [0.0, 0.05, 0.2, 0.5, 0.9, 1.0])
 def test_never_much_slower_than_plain(alpha, beta, kind):
@@ -82,3 +83,39 @@ def test_cut_keeps_the_nodes_down_to_a_depth():
     c = _cut(d, 2)
     assert (c.tokens, c.parents, c.match) == ([10, 11, 20, 21], [-1, 0, -1, 2], 3)
     assert _cut(d, 0).tokens == [] and _cut(d, 9).tokens == d.tokens and _cut(d, 9).parents == d.parents
+
+
+def test_lookup_takes_the_match_that_agrees_furthest_back():
+    """Of the earlier places where the last 3 tokens occur, the draft continues the one whose
+    context agrees furthest back (the earliest among equals), and says how far: the evidence."""
+    a = [1, 2, 3, 4, 5, 6, 7]
+    hist = [9, 8, 5, 6, 7, 40, 41] + [11, 4, 5, 6, 7, 50, 51] + [0, 3, 4, 5, 6, 7, 60, 61] + [2, 3, 4, 5, 6, 7]
+    d = PromptLookup().propose(torch.tensor(hist), 2, 1)
+    assert d.tokens == [60, 61] and d.match == 5  # "3 4 5 6 7" agrees 5 back; the others 3 and 4
+    assert PromptLookup(max_context=4).propose(torch.tensor(hist), 2, 1).match == 4  # capped
+    d = PromptLookup().propose(torch.tensor(hist), 2, 3)  # three continuations, by agreement: 5, 4, then 3
+    assert d.tokens[:2] == [60, 61] and sorted(d.tokens) == [40, 41, 50, 51, 60, 61] and d.match == 5
+    d = PromptLookup().propose(torch.tensor([5, 6, 7, 1] + [5, 6, 7, 2] + [5, 6, 7]), 1, 1)
+    assert d.tokens == [1] and d.match == 3  # equals: the earliest, as transformers
+    d = PromptLookup().propose(torch.tensor(a + [0] + a), 3, 1)  # the whole text repeats: 7 back, the start
+    assert d.tokens == [0, 1, 2] and d.match == 7
+    assert PromptLookup().propose(torch.tensor([1, 2, 3]), 2, 1).tokens == []
+
+
+def test_evidence_of_long_matches_drafts_and_short_ones_wait():
+    """Before a wide step was measured (a plain step only), a match agreeing 6 or more tokens
+    back is drafted on its prior, one of 3 to 5 is not (a coincidental phrase: it waits for
+    wide steps measured cheap, or drafts that paid); the buckets share their counts."""
+    assert [evidence(n) for n in (1, 2, 3, 4, 5, 6, 32)] == [1, 2, 3, 4, 4, 6, 6] and evidence("model") == "model"
+    pol = DraftPolicy(5)
+    pol.observe_step(1, 0.1)
+    assert pol.depth(6, 5) > 0 and pol.depth(20, 5) > 0
+    assert pol.depth(3, 5) == pol.depth(4, 5) == pol.depth(5, 5) == 0
+    pol.observe_step(2, 0.103)  # wide steps measured cheap (3 % a token): a 4-5 token match pays now
+    assert pol.depth(5, 5) > 0
+    for _ in range(10):
+        pol.observe_acceptance(32, 5, 0)  # quotes that stopped: counted under 6, whatever the length
+    assert pol.alpha(7) == pol.alpha(6) < 0.2 and pol.alpha(3) > 0.3
+    for _ in range(20):
+        pol.observe_step(2, 0.15)  # wide steps turn out costly
+    assert pol.depth(6, 5) == 0

@@ -45,29 +45,55 @@ class Draft:
 
 class PromptLookup:
     """Continuations of the latest n-gram (``max_ngram`` down to 1 tokens) found earlier in the
-    sequence, as transformers' ``prompt_lookup_num_tokens``; with ``width > 1`` the
-    continuations of up to ``width`` distinct earlier matches, merged into a trie."""
+    sequence, as transformers' ``prompt_lookup_num_tokens``, except which earlier match: the one
+    whose context agrees furthest back (up to ``max_context`` tokens; the earliest among equals),
+    whose continuation is the likeliest, and the draft's ``match`` is that context's length, the
+    evidence :class:`~treeattn.hf._draft_policy.DraftPolicy` weighs (an answer that quotes the
+    document matches 6 and more tokens back, a coincidental phrase 3). With ``width > 1`` the
+    continuations of up to ``width`` distinct matches, in that order, merged into a trie."""
 
-    def __init__(self, max_ngram: int = 3) -> None:
-        self.max_ngram = max_ngram
+    def __init__(self, max_ngram: int = 3, max_context: int = 32) -> None:
+        self.max_ngram, self.max_context = max_ngram, max_context
 
     def propose(self, history: Tensor, k: int, width: int) -> Draft:
         L = len(history)
-        conts: list[list[int]] = []
         for n in range(min(self.max_ngram, L - 1), 0, -1):
             win = history[: L - 1].unfold(0, n, 1)  # every n-gram that ends before the last token
-            hits = torch.nonzero((win == history[L - n :]).all(1)).flatten().tolist()
-            for i in hits:  # the earliest match first, as transformers
+            hits = torch.nonzero((win == history[L - n :]).all(1)).flatten()
+            if not len(hits):
+                continue
+            ctx = self._context(history, hits, n)
+            order = sorted(range(len(hits)), key=lambda j: -int(ctx[j]))  # stable: the earliest among equals
+            conts: list[list[int]] = []
+            for j in order:
+                i = int(hits[j])
                 c = history[i + n : i + n + k].tolist()
                 if c and c not in conts:
                     conts.append(c)
+                    if len(conts) == 1:
+                        match = int(ctx[j])
                 if len(conts) == width:
                     break
             if conts:
                 d = _trie(conts)
-                d.match = n
+                d.match = match
                 return d
         return Draft()
+
+    def _context(self, history: Tensor, hits: Tensor, n: int) -> Tensor:
+        """For each match of the last ``n`` tokens starting at ``hits``, how many tokens back
+        (``n`` and more, at most ``max_context``) it agrees with the end of the history."""
+        L = len(history)
+        ctx = torch.full((len(hits),), n, dtype=torch.int64)
+        alive = torch.ones(len(hits), dtype=torch.bool)
+        for m in range(n + 1, self.max_context + 1):  # does token L - m agree with token hit - (m - n)?
+            pos = hits - (m - n)
+            alive &= pos >= 0
+            if L - m < 0 or not bool(alive.any()):
+                break
+            alive &= history[pos.clamp(min=0)] == history[L - m]
+            ctx += alive.to(torch.int64)
+        return ctx
 
 
 def _cut(d: Draft, depth: int) -> Draft:
