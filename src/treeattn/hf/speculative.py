@@ -40,7 +40,7 @@ class Draft:
     parents: list[int] = field(default_factory=list)
     q: Tensor | None = None
     trials: dict[int, list[int]] | None = None
-    match: int = 0  # prompt lookup: the length of the n-gram the continuations follow
+    match: int = 0  # prompt lookup: how far back the followed match agrees (its n-gram and more)
 
 
 class PromptLookup:
@@ -52,7 +52,7 @@ class PromptLookup:
     document matches 6 and more tokens back, a coincidental phrase 3). With ``width > 1`` the
     continuations of up to ``width`` distinct matches, in that order, merged into a trie."""
 
-    def __init__(self, max_ngram: int = 3, max_context: int = 32) -> None:
+    def __init__(self, max_ngram: int = 3, max_context: int = 16) -> None:
         self.max_ngram, self.max_context = max_ngram, max_context
 
     def propose(self, history: Tensor, k: int, width: int) -> Draft:

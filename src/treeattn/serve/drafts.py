@@ -18,10 +18,10 @@ second width is measured each extra token is assumed to cost half a one-token st
 and so is a draft model's time per drafted token; rows are taken best evidence first, and a
 row drafts ``d`` tokens only if the batch's expected tokens per second rise by
 :data:`MARGIN`. The acceptance of each request is tracked per kind of evidence (prompt
-lookup: the n-gram length of its matches; a draft model: one kind), in
-:class:`~treeattn.hf._draft_policy.DraftPolicy`'s counts: sceptical of 1-gram matches, recent
-steps weighing most, starting from what the server's earlier drafts did; a request that
-stopped drafting gets a one-token probe now and then.
+lookup: how far back its match agrees, 1, 2, 3, 4-5 or 6 and more tokens; a draft model: one
+kind), in :class:`~treeattn.hf._draft_policy.DraftPolicy`'s counts: sceptical of matches
+shorter than 6 tokens, recent steps weighing most, starting from what the server's earlier
+drafts did; a request that stopped drafting gets a one-token probe now and then.
 
 A draft model keeps a KV cache per request (:class:`DraftPool`): a request takes the idle
 cache that shares the longest prefix with its sequence, or a copy of a running one's when
@@ -114,7 +114,7 @@ class RowDrafts:
         self._offer: list[int] = []
 
     def candidate(self, history: list[int], cap: int) -> tuple[list[int], int]:
-        """(the longest draft prompt lookup offers within ``cap``, the n-gram length it matched)."""
+        """(the longest draft prompt lookup offers within ``cap``, how far back its match agrees)."""
         if cap < 1 or len(history) < 2:
             return [], 0
         d = self.lookup.propose(torch.tensor(history, dtype=torch.int64), min(cap, self.k_max), 1)

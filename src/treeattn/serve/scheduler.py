@@ -56,7 +56,7 @@ class Job:
     sampler: Sampler | None = None
     drafts: RowDrafts | None = None  # with speculation
     draft: list[int] = field(default_factory=list)  # drafted after ``last`` in the running step
-    kind: int = 0  # the n-gram length that draft matched
+    kind: int = 0  # how far back that draft's match agrees (prompt lookup's evidence)
 
     def take(self, tok: int) -> None:
         """Append a sampled token; decide whether the request ends; send what text may go."""
