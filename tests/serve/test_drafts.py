@@ -108,3 +108,30 @@ def test_a_long_prompt_reaches_the_draft_model_a_chunk_per_step():
     assert rd.draft(hist, 3) == want  # the last 17 tokens fit one step: run with the draft
     b = RowDrafts(4, drafters=pool)  # another question about the same text: a copy, no chunks
     assert b.draft(hist[:50] + [7], 3) == DraftModel(model).propose(torch.tensor(hist[:50] + [7]), 3, 1).tokens
+
+
+def test_catching_up_takes_a_bounded_share_of_the_step():
+    """With the batch's cost model, a prompt reaches the draft model 16 tokens first (its rate
+    measured), then as many a step as fit 5 % of the step's time, all requests together; a
+    request whose draft model has caught up drafts whatever the budget."""
+    from treeattn.serve.drafts import BatchDrafts
+
+    model = build_model("tiny-llama", None, torch.float32, 0)[0]
+    pool = DraftPool(model, tokens=10_000, chunk=256)
+    batch = BatchDrafts()
+    batch.observe_step(2, 0.2)
+    hist = list(range(3, 300))
+    a, b = RowDrafts(4, drafters=pool), RowDrafts(4, drafters=pool)
+    batch.choose(2, [])
+    assert a.draft(hist, 3, batch) == [] and len(a.model.ids) == 16 and batch.catchup_s > 0
+    batch.catchup_s = 0.001  # 1 ms a token: 5 % of a 0.2 s step is 10 tokens
+    batch.choose(2, [])
+    assert a.draft(hist, 3, batch) == [] and len(a.model.ids) == 26
+    assert b.draft(hist[:200] + [5], 3, batch) == [] and len(b.model.ids) == 26  # a copy of a's; the budget is spent
+    batch.catchup_s = 1.0  # a draft model slower than the steps: no catching up at all
+    batch.choose(2, [])
+    assert a.draft(hist, 3, batch) == [] and len(a.model.ids) == 26
+    c = RowDrafts(4, drafters=pool)
+    c.model = DraftModel(model)
+    c.model.advance(hist, len(hist))  # caught up: drafts even with the budget spent
+    assert c.draft(hist, 3, batch) == DraftModel(model).propose(torch.tensor(hist), 3, 1).tokens

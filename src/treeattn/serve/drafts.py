@@ -42,6 +42,11 @@ from ..hf.speculative import DraftModel, PromptLookup
 MARGIN = 0.1  # a draft must promise the batch 10 % more tokens per second: its acceptance is an optimistic guess
 MODEL = "model"  # the kind of a draft model's drafts
 _SYNC_MAX = 8  # a drafting call that first ran more new tokens than this (a prompt, a catch-up) is not timed
+# a draft model catching up with prompts it has not seen takes at most this share of a step's
+# time (all requests together), measured: a draft model as costly as the target ran 256 tokens
+# a step and made the batched server 5x slower (0.19-0.20x plain's tokens/s, 2026-11-27)
+_CATCHUP = 0.05
+_CATCHUP_FIRST = 16  # the first catch-up's tokens, which measure its rate
 
 
 class DraftPool:
@@ -49,7 +54,8 @@ class DraftPool:
     later requests while all the caches together hold at most ``tokens`` tokens (the oldest
     idle ones go first); past that budget a request starts no cache of its own (it does not
     draft). A request's tokens its cache has not seen (a new prompt) run ``chunk`` per step,
-    without a draft, so a long document does not hold up the batch's steps."""
+    without a draft, so a long document does not hold up the batch's steps (with the batch's cost
+    model, fewer: :meth:`BatchDrafts.catchup_tokens`)."""
 
     def __init__(self, model: torch.nn.Module, tokens: int, chunk: int = 256) -> None:
         self.model, self.tokens, self.chunk = model, tokens, chunk  # chunk: prompt tokens run per step
@@ -143,8 +149,15 @@ class RowDrafts:
                     self.failed = True
                     return []
             fresh = len(history) - self.model.common(history)
-            if fresh > self.drafters.chunk:  # a prompt the draft model has not seen: a chunk per step,
-                self.model.advance(history, self.drafters.chunk)  # while the batch goes on; no draft yet
+            most = fresh
+            if fresh > _SYNC_MAX:  # a prompt the draft model has not seen: a few tokens per step
+                most = self.drafters.chunk if batch is None else batch.catchup_tokens(self.drafters.chunk, fresh)
+            if fresh > most:  # while the batch goes on; no draft yet
+                if most > 0:
+                    t = time.perf_counter()
+                    self.model.advance(history, most)
+                    if batch is not None:
+                        batch.observe_catchup(most, time.perf_counter() - t)
                 return []
             t = time.perf_counter()
             toks = self.model.propose(torch.tensor(history, dtype=torch.int64), d, 1).tokens
@@ -187,6 +200,8 @@ class BatchDrafts:
         self.fixed = fixed
         self.pool = DraftPolicy(1)  # acceptance by evidence over every request (its counts only)
         self.draft_s = 0.0  # a draft model's EMA seconds per drafted token (0: none measured yet)
+        self.catchup_s = 0.0  # a draft model's EMA seconds per prompt token caught up with
+        self.catchup_left = 0.0  # seconds of catching up left in this step
 
     def observe_step(self, n: int, seconds: float) -> None:
         old = self.cost.get(n)
@@ -196,6 +211,24 @@ class BatchDrafts:
         if tokens:
             s = seconds / tokens
             self.draft_s = s if not self.draft_s else 0.7 * self.draft_s + 0.3 * s
+
+    def observe_catchup(self, tokens: int, seconds: float) -> None:
+        if tokens > 0:
+            s = seconds / tokens
+            self.catchup_s = s if not self.catchup_s else 0.7 * self.catchup_s + 0.3 * s
+
+    def catchup_tokens(self, most: int, fresh: int) -> int:
+        """Prompt tokens a draft model may run in this step to catch up with ``fresh`` unseen
+        ones: what fits the step's catch-up time (:data:`_CATCHUP` of a step) at the measured
+        rate, at most ``most``; :data:`_CATCHUP_FIRST` while the rate is unmeasured. ``fresh``
+        itself when it all fits (the draft then runs in the same call)."""
+        if not self.catchup_s:
+            n = min(most, _CATCHUP_FIRST)
+        else:
+            n = max(0, min(most, int(self.catchup_left / self.catchup_s)))
+        n = fresh if fresh <= n else n
+        self.catchup_left -= n * self.catchup_s
+        return n
 
     def step_cost(self, n: int) -> float | None:
         """Estimated seconds of a decode-only step of ``n`` tokens (None: nothing measured)."""
@@ -232,6 +265,7 @@ class BatchDrafts:
         depth = [0] * len(cands)
         if self.step_cost(rows) is None:  # a plain step first: the yardstick
             return depth
+        self.catchup_left = _CATCHUP * self.step_cost(rows)
         n, tokens, drafting = rows, float(rows), 0.0
         order = sorted(range(len(cands)), key=lambda i: -cands[i][0].policy.alpha(cands[i][2]))
         for i in order:
