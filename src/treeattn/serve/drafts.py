@@ -221,7 +221,10 @@ class BatchDrafts:
         """Prompt tokens a draft model may run in this step to catch up with ``fresh`` unseen
         ones: what fits the step's catch-up time (:data:`_CATCHUP` of a step) at the measured
         rate, at most ``most``; :data:`_CATCHUP_FIRST` while the rate is unmeasured. ``fresh``
-        itself when it all fits (the draft then runs in the same call)."""
+        itself when it all fits (the draft then runs in the same call). ``fixed``: no cost
+        model, ``most`` a step."""
+        if self.fixed:
+            return min(fresh, most)
         if not self.catchup_s:
             n = min(most, _CATCHUP_FIRST)
         else:
