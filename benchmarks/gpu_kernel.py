@@ -51,12 +51,7 @@ def timed(fn, reps: int, warmup: int = 5) -> float:
 def cell(fn, reps: int) -> float:
     """``timed``, or NaN (with the reason on stderr) when the call fails, e.g. out of memory:
     one cell must not cost the rest of a run on a borrowed GPU."""
-    try:
-        return timed(fn, reps)
-    except Exception as e:  # noqa: BLE001  (OOM, Triton's compile errors: the cell is NaN)
-        print(f"cell failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr, flush=True)
-        torch.cuda.empty_cache()
-        return float("nan")
+    return guarded(timed, fn, reps)
 
 
 def host_us(fn, n: int = 200) -> float:
@@ -86,10 +81,12 @@ def graph_ms(fn, reps: int) -> float:
 
 
 def guarded(f, *args) -> float:
+    """``f(*args)``, or NaN when it fails (out of memory, a Triton compile error)."""
     try:
         return f(*args)
     except Exception as e:  # noqa: BLE001
         print(f"cell failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr, flush=True)
+        torch.cuda.empty_cache()
         return float("nan")
 
 

@@ -141,6 +141,6 @@ class DraftPolicy:
         successes, and a failure at the first rejected position (if any)."""
         if offered <= 0:
             return
-        c = self._counts(evidence(kind))
+        c = self._counts(kind)
         c[0] = c[0] * _DISCOUNT + accepted
         c[1] = c[1] * _DISCOUNT + (1.0 if accepted < offered else 0.0)

@@ -62,16 +62,15 @@ class PromptLookup:
             hits = torch.nonzero((win == history[L - n :]).all(1)).flatten()
             if not len(hits):
                 continue
-            ctx = self._context(history, hits, n)
-            order = sorted(range(len(hits)), key=lambda j: -int(ctx[j]))  # stable: the earliest among equals
+            ctx = self._context(history, hits, n).tolist()
+            order = sorted(zip(ctx, hits.tolist(), strict=True), key=lambda x: -x[0])  # stable: the earliest among equals
             conts: list[list[int]] = []
-            for j in order:
-                i = int(hits[j])
+            for m, i in order:
                 c = history[i + n : i + n + k].tolist()
                 if c and c not in conts:
                     conts.append(c)
                     if len(conts) == 1:
-                        match = int(ctx[j])
+                        match = m
                 if len(conts) == width:
                     break
             if conts:
