@@ -2,7 +2,8 @@
 """The GPU decode kernel table: treeattn's local op against PyTorch SDPA, as % of the HBM
 read floor (K+V bytes / the rate of a 2 GiB ``sum`` on the same GPU), CUDA events, medians.
 In order: host time and CUDA-graph replay of one call, the split-count, kernel-shape and
-multiply-add sweeps (Triton), tree_decode at p = 1 against the local op, then the table; a
+multiply-add sweeps (Triton), tree_decode at p = 1 against the local op (``profile``: where
+the host time of both goes, not in the default sections), then the table; a
 failing cell (out of memory, a compile error) is NaN, the run goes on. ``--sections`` picks.
 
     python benchmarks/gpu_kernel.py                       # bf16 and fp32, B 1 and 8, S 32k..1M
@@ -116,6 +117,7 @@ def host_and_graph(a, rows, T) -> None:
             "treeattn": lambda: attention_with_lse(q, k, v, check=False),
             "ragged": lambda: attention_with_lse(q, k, v, kv_lens=lens, check=False),
             "kernel alone": lambda: T._split_kv(qg, k, v, None, None, D**-0.5, 0.0, False),
+            "kernel, Triton's launch": lambda: unlean(T, T._split_kv, qg, k, v, None, None, D**-0.5, 0.0, False),
             "custom op": lambda: T.split_kv_attention(qg, k, v, None, None, D**-0.5, 0.0, False),
             "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
         }
@@ -127,6 +129,40 @@ def host_and_graph(a, rows, T) -> None:
             print(f"| {dname} | {B} | {S} | {name} | {ev:.3f} | {h:.1f} | {gr:.3f} |", flush=True)
         q = k = v = None
         torch.cuda.empty_cache()
+
+
+def unlean(T, f, *args):
+    """``f(*args)`` with every launch through Triton's own ``run`` (``T.LEAN`` off)."""
+    T.LEAN = False
+    try:
+        return f(*args)
+    finally:
+        T.LEAN = True
+
+
+def profile(a, T) -> None:
+    """Where an eager call's host time goes: cProfile of 300 calls (bf16, B = 1, the first
+    sweep length), the 25 costliest functions by own time."""
+    import cProfile
+    import pstats
+
+    Hq, Hkv, D, S = a.heads[0], a.heads[1], a.dim, a.sweep_seq[0]
+    q = torch.randn(1, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, Hkv, S, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    for what, fn in (("attention_with_lse", lambda: attention_with_lse(q, k, v, check=False)),
+                     ("tree_decode p=1", lambda: tree_decode(q, k, v, check=False))):  # fmt: skip
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(300):
+            fn()
+        pr.disable()
+        torch.cuda.synchronize()
+        print(f"\n{what}, 300 calls:")
+        pstats.Stats(pr, stream=sys.stdout).sort_stats("tottime").print_stats(25)
 
 
 def fma_sweep(a, rows, T, rate) -> None:
@@ -242,8 +278,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("nccl", init_method=f"file://{os.path.join(tmp, 's')}", rank=0, world_size=1)
-        print("\n| dtype | S | local op ms | tree_decode p=1 ms | difference µs |")
-        print("|---|---|---|---|---|")
+        print("\n| dtype | S | local op ms | tree_decode p=1 ms | difference µs | host µs/call: local op | tree_decode |")
+        print("|---|---|---|---|---|---|---|")
         for S in (32768, 131072) if "tree" in a.sections else ():
             dt = torch.bfloat16
             q = torch.randn(1, Hq, 1, D, device="cuda", dtype=dt)
@@ -251,8 +287,12 @@ def main() -> None:
             v = torch.randn(1, Hkv, S, D, device="cuda", dtype=dt)
             loc = cell(lambda: attention_with_lse(q, k, v, check=False), a.reps)
             tre = cell(lambda: tree_decode(q, k, v, check=False), a.reps)
-            rows.append(dict(what="tree_decode p=1", S=S, local_ms=loc, tree_ms=tre))
-            print(f"| bfloat16 | {S} | {loc:.3f} | {tre:.3f} | {1e3 * (tre - loc):.0f} |", flush=True)
+            hl = guarded(host_us, lambda: attention_with_lse(q, k, v, check=False))
+            ht = guarded(host_us, lambda: tree_decode(q, k, v, check=False))
+            rows.append(dict(what="tree_decode p=1", S=S, local_ms=loc, tree_ms=tre, local_host_us=hl, tree_host_us=ht))
+            print(f"| bfloat16 | {S} | {loc:.3f} | {tre:.3f} | {1e3 * (tre - loc):.0f} | {hl:.1f} | {ht:.1f} |", flush=True)
+        if "profile" in a.sections:
+            profile(a, T)
         dist.destroy_process_group()
     # the table last: it takes longest (a time limit then costs only its last rows)
     print()

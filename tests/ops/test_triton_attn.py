@@ -149,3 +149,67 @@ def test_kernel_shapes_fit_the_shared_memory():
                 assert stages * bn * 2 * d * size <= T._SMEM and stages >= 1 and bn >= 16 and warps == cfg["num_warps"]
     assert T._config(dict(BLOCK_N=64, num_warps=4, num_stages=2), 128, 128, 2) == (64, 4, 2)  # bf16 D=128: untouched
     assert [T._merge_block(n) for n in (1, 16, 17, 128, 129, 528)] == [16, 16, 128, 128, 256, 1024]
+
+
+def test_direct_launch_logic(monkeypatch):
+    """_Launch: a key's first call goes through Triton's launch (keywords), later ones through
+    the compiled kernel (every argument in signature order); a change Triton specializes on (an
+    int becoming 1) recompiles; a compiled launch that raises falls back to Triton's for good."""
+    calls = []
+
+    class Compiled:
+        def __getitem__(self, grid):
+            def run(*args):
+                if "fail" in calls:
+                    raise TypeError("another calling convention")
+                calls.append(("direct", grid, args))
+
+            return run
+
+    class Fn:
+        arg_names = ["X", "n", "BLOCK"]
+
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                calls.append(("triton", grid, args, tuple(sorted(kw.items()))))
+                return Compiled()
+
+            return run
+
+    class Cuda:  # stands in for a CUDA tensor
+        device = torch.device("cuda", 0)
+
+    monkeypatch.setattr(T, "LEAN", True)
+    x, launch = Cuda(), T._Launch(Fn())
+    launch((2,), x, 5, BLOCK=16, num_warps=4, num_stages=2)
+    launch((3,), x, 7, BLOCK=16, num_warps=4, num_stages=2)
+    launch((3,), x, 1, BLOCK=16, num_warps=4, num_stages=2)  # n == 1: Triton specializes it
+    assert calls == [("triton", (2,), (x, 5), (("BLOCK", 16), ("num_stages", 2), ("num_warps", 4))),
+                     ("direct", (3,), (x, 7, 16)),
+                     ("triton", (3,), (x, 1), (("BLOCK", 16), ("num_stages", 2), ("num_warps", 4)))]  # fmt: skip
+    calls[:] = ["fail"]
+    launch((4,), x, 9, BLOCK=16, num_warps=4, num_stages=2)
+    assert not launch.ok and calls[-1][0] == "triton"
+    launch((4,), x, 9, BLOCK=16, num_warps=4, num_stages=2)
+    assert calls[-1][0] == "triton"
+
+
+def test_direct_launch_matches_triton_on_cuda():
+    """On a GPU: the direct launches (the compiled kernels, no Triton binding) give Triton's
+    launches' results bitwise, for inputs that share a compiled kernel, and stay in use."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (the direct launch runs compiled kernels; the logic is tested on CPU)")
+    fwd, merge = T._kernel()
+    for dtype in (torch.bfloat16, torch.float32):
+        for seed in range(3):
+            q, k, v = on("cuda", *make(2, 8, 2, 1, 700 + 64 * seed, 64, dtype, seed=seed))
+            lens = torch.tensor([500, 3], device="cuda")
+            T.LEAN = True
+            a = attention_with_lse(q, k, v, kv_lens=lens, backend="triton", check=False)
+            T.LEAN = False
+            try:
+                b = attention_with_lse(q, k, v, kv_lens=lens, backend="triton", check=False)
+            finally:
+                T.LEAN = True
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (dtype, seed)
+    assert fwd.ok and merge.ok and fwd.compiled and merge.compiled

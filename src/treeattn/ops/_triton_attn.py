@@ -210,7 +210,7 @@ def _kernel():
         out = tl.where(isbad[:, None], float("nan"), out)
         lse = tl.where(isbad, float("nan"), lse)
         obase = OUT + b * sob + h * soh + pid_s.to(tl.int64) * sos
-        tl.store(obase + rows[:, None] * sor + dv[None, :] * sod, out, mask=rmask[:, None] & (dv[None, :] < DV))
+        tl.store(obase + rows[:, None] * sor + dv[None, :] * sod, out.to(OUT.dtype.element_ty), mask=rmask[:, None] & (dv[None, :] < DV))
         tl.store(LSE + b * slb + h * slh + pid_s.to(tl.int64) * sls + rows * slr, lse, mask=rmask)
 
     @triton.jit
@@ -241,10 +241,50 @@ def _kernel():
         res = m + tl.log(tl.where(tot > 0, tot, 0.0))
         out = tl.where(undefined, float("nan"), out)
         res = tl.where(undefined, float("nan"), res)
-        tl.store(OUT + b * tob + h * toh + r * tor + dv * tod, out, mask=dv < DV)
+        tl.store(OUT + b * tob + h * toh + r * tor + dv * tod, out.to(OUT.dtype.element_ty), mask=dv < DV)
         tl.store(LSE + b * tlb + h * tlh + r * tlr, res)
 
-    return split_kv_fwd, merge_splits
+    return _Launch(split_kv_fwd), _Launch(merge_splits)
+
+
+def _spec(x) -> object:
+    """What Triton specializes a kernel on for one argument (a superset of it): a tensor's dtype and
+    16-byte alignment; an int's being 1, a multiple of 16, 32-bit; a constexpr's value."""
+    if isinstance(x, Tensor):
+        return x.dtype, x.data_ptr() % 16 == 0
+    if type(x) is int:
+        return x == 1, x % 16 == 0, -(1 << 31) <= x < (1 << 31)
+    return x if x is None or isinstance(x, (bool, str)) else type(x)
+
+
+LEAN = os.environ.get("TREEATTN_TRITON_LEAN", "1") != "0"  # benchmarks/gpu_kernel.py compares both
+
+
+class _Launch:
+    """Launches a ``triton.jit`` kernel through its compiled form, cached under :func:`_spec` of
+    every argument: Triton's own launch binds, keys and formats all ~45 arguments on every call
+    (its host time, not the GPU's, bounds an eager decode call below ~128k keys). A key's first
+    call goes through Triton (compiling if needed) and keeps the compiled kernel; if a later
+    direct launch raises (another Triton's calling convention), every launch goes through Triton."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.names, self.compiled, self.ok = fn, list(getattr(fn, "arg_names", ())), {}, True
+
+    def __call__(self, grid: tuple[int, ...], *args, num_warps: int = 4, num_stages: int = 2, **constexprs) -> None:
+        if not (LEAN and self.ok and self.names) or args[0].device.type != "cuda":  # the interpreter
+            self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
+            return
+        full = args + tuple(constexprs[n] for n in self.names[len(args) :])
+        key = (args[0].device.index, num_warps, num_stages, *map(_spec, full))
+        kernel = self.compiled.get(key)
+        if kernel is None:
+            self.compiled[key] = self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
+            return
+        try:
+            kernel[grid](*full)
+        except (TypeError, ValueError, AttributeError, IndexError):
+            self.ok = False
+            self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
 
 
 def _rows2(t: Tensor | None) -> tuple[Tensor | None, int, int]:
@@ -300,16 +340,17 @@ def _split_kv(
     scale: float,
     softcap: float,
     row_bounds: bool,
+    keep_fp32: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Attention states of ``q [B, H, R, D]`` over ``k/v [B, H, S, D|Dv]`` (last dims
-    contiguous), ``lo/hi`` int ``[B, R]`` or None, ``softcap`` 0 for none: float32
-    ``out [B, H, R, Dv]`` and ``lse [B, H, R]``. The key splits (:func:`num_splits`) are
+    contiguous), ``lo/hi`` int ``[B, R]`` or None, ``softcap`` 0 for none: ``out [B, H, R, Dv]``
+    (float32, or q's dtype written by the kernels unless ``keep_fp32``) and float32 ``lse [B, H, R]``. The key splits (:func:`num_splits`) are
     merged by a second kernel with :func:`~treeattn.ops.state.merge_states_n`'s semantics."""
     B, H, R, D = q.shape
     S, Dv = k.shape[2], v.shape[3]
     fma = _fma(R, q.dtype)
     splits = num_splits(B, H, R, S, q.device, fma)
-    out = torch.empty(B, H, R, Dv, dtype=torch.float32, device=q.device)
+    out = torch.empty(B, H, R, Dv, dtype=torch.float32 if keep_fp32 else q.dtype, device=q.device)
     lse = torch.empty(B, H, R, dtype=torch.float32, device=q.device)
     if lse.numel() == 0:
         return out, lse
@@ -327,8 +368,8 @@ def _split_kv(
     cap = float(softcap)
     interp = q.device.type == "cpu"  # the interpreter's tl.dot misreads bfloat16 operands
     fwd, merge = _kernel()
-    fwd[(B * H, -(-R // bm), splits)](
-        q, k, v, lo_t if lo_t is not None else q, hi_t if hi_t is not None else q, po, pl,
+    fwd(
+        (B * H, -(-R // bm), splits), q, k, v, lo_t if lo_t is not None else q, hi_t if hi_t is not None else q, po, pl,
         *q.stride(), *k.stride(), *v.stride(), slob, slor, shib, shir, *po.stride(), *pl.stride(),
         H, R, S, D, Dv, split_len, scale * _LOG2E, scale / cap if cap else 0.0, cap * _LOG2E,
         HAS_LO=lo is not None, HAS_HI=hi is not None, SOFTCAP=cap > 0, ROW_BOUNDS=row_bounds,
@@ -336,8 +377,8 @@ def _split_kv(
         BLOCK_DV=bdv, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if splits > 1:
-        merge[(B * H * R,)](
-            po, pl, out, lse, *po.stride(), *pl.stride(), *out.stride(), *lse.stride(), H, R, Dv, splits,
+        merge(
+            (B * H * R,), po, pl, out, lse, *po.stride(), *pl.stride(), *out.stride(), *lse.stride(), H, R, Dv, splits,
             BLOCK_S=_merge_block(splits), BLOCK_DV=bdv,
         )  # fmt: skip
     return out, lse
@@ -347,9 +388,9 @@ split_kv_attention = torch.library.custom_op("treeattn::split_kv_attention", _sp
 
 
 @split_kv_attention.register_fake
-def _(q, k, v, lo, hi, scale, softcap, row_bounds):
+def _(q, k, v, lo, hi, scale, softcap, row_bounds, keep_fp32=True):
     B, H, R, _ = q.shape
-    out = q.new_empty(B, H, R, v.shape[3], dtype=torch.float32)
+    out = q.new_empty(B, H, R, v.shape[3], dtype=torch.float32 if keep_fp32 else q.dtype)
     return out, q.new_empty(B, H, R, dtype=torch.float32)
 
 
@@ -362,11 +403,12 @@ def triton_attention(
     hi: Tensor | None,
     softcap: float | None,
     row_bounds: bool,
+    keep_fp32: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Grouped-row attention: ``qg [B, H, R, D]`` (row ``g*Tq + i``), ``k/v [B, H, S, D|Dv]``,
     ``lo/hi`` int ``[B, R]`` (views with zero strides are fine) or None. ``row_bounds``: rows
-    of one sequence may have different bounds. Returns float32 ``(out [B, H, R, Dv],
-    lse [B, H, R])``. No device-to-host read."""
+    of one sequence may have different bounds. Returns ``(out [B, H, R, Dv], lse [B, H, R])``,
+    out float32 (``keep_fp32``) or in qg's dtype, lse float32. No device-to-host read."""
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v.stride(-1) != 1:
@@ -377,4 +419,4 @@ def triton_attention(
     if plain and torch.is_grad_enabled():  # autograd meets the op (which has no backward) and says so
         plain = not (qg.requires_grad or k.requires_grad or v.requires_grad)
     op = _split_kv if plain else split_kv_attention
-    return op(qg, k, v, lo, hi, float(scale), float(softcap or 0.0), bool(row_bounds))
+    return op(qg, k, v, lo, hi, float(scale), float(softcap or 0.0), bool(row_bounds), bool(keep_fp32))

@@ -297,8 +297,8 @@ def _triton(q, k, v, scale, lo, hi, softcap, row_bounds: bool, keep_fp32: bool) 
     qg = q.reshape(B, Hkv, R, D)
     lo = None if lo is None else lo.reshape(B, R)
     hi = None if hi is None else hi.reshape(B, R)
-    out, lse = triton_attention(qg, k, v, scale, lo, hi, softcap, row_bounds)
-    return out.to(torch.float32 if keep_fp32 else q.dtype).reshape(B, Hq, Tq, Dv), lse.reshape(B, Hq, Tq)
+    out, lse = triton_attention(qg, k, v, scale, lo, hi, softcap, row_bounds, keep_fp32)
+    return out.reshape(B, Hq, Tq, Dv), lse.reshape(B, Hq, Tq)
 
 
 def _per_row(t: Tensor, B: int, Tq: int, R: int, device: torch.device) -> Tensor:

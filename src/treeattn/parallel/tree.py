@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..comm._pg import world
 from ..comm.strategies import STRATEGIES, auto_model, reduce_states
 from ..comm.topology import Topology
 from ..ops.attention import _attention
@@ -120,10 +121,15 @@ def tree_decode(
         validate_decode(q, k, v, kv_lens, new_k, new_v, new_mask, scale, strategy, group, STRATEGIES, rpn,
                         kv_start, softcap, window, fingerprint if strategy == "auto" else None)  # fmt: skip
         profile = model if model is not None else profile
-    out, lse = _attention(
-        q, k, v, scale=scale, kv_lens=kv_lens, kv_start=kv_start, softcap=softcap, backend=backend, keep_fp32=True
-    )
-    out, lse = reduce_states(out, lse, group=group, strategy=strategy, topology=topology, profile=profile)
+    # one rank and no new tokens: the local state is the answer, written in q's dtype by the kernel
+    # (no reduction, no cast: the local op's cost; its lse is never +inf, which a reduction reads as empty)
+    if strategy not in STRATEGIES:  # (reduce_states says so too; one rank never calls it)
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    alone = world(group)[1] == 1
+    out, lse = _attention(q, k, v, scale=scale, kv_lens=kv_lens, kv_start=kv_start, softcap=softcap,
+                          backend=backend, keep_fp32=not alone or new_k is not None)  # fmt: skip
+    if not alone:
+        out, lse = reduce_states(out, lse, group=group, strategy=strategy, topology=topology, profile=profile)
     if new_k is not None:
         out, lse = merge_states(
             out, lse, *new_token_state(q, new_k, new_v, new_mask, scale, softcap=softcap, window=window)
