@@ -132,12 +132,14 @@ def host_and_graph(a, rows, T) -> None:
 
 
 def unlean(T, f, *args):
-    """``f(*args)`` with every launch through Triton's own ``run`` (``T.LEAN`` off)."""
-    T.LEAN = False
+    """``f(*args)`` with every launch through Triton's own (``_triton_launch.LEAN`` off)."""
+    from treeattn.ops import _triton_launch as L
+
+    L.LEAN = False
     try:
         return f(*args)
     finally:
-        T.LEAN = True
+        L.LEAN = True
 
 
 def profile(a, T) -> None:

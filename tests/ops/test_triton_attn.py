@@ -152,9 +152,12 @@ def test_kernel_shapes_fit_the_shared_memory():
 
 
 def test_direct_launch_logic(monkeypatch):
-    """_Launch: a key's first call goes through Triton's launch (keywords), later ones through
-    the compiled kernel (every argument in signature order); a change Triton specializes on (an
-    int becoming 1) recompiles; a compiled launch that raises falls back to Triton's for good."""
+    """Launcher: a key's first call goes through Triton's launch (keywords), later ones through
+    the compiled kernel (every argument in signature order); another key compiles again; no key
+    (the interpreter) always goes through Triton; a compiled launch that raises turns direct
+    launches off for good."""
+    from treeattn.ops import _triton_launch as L
+
     calls = []
 
     class Compiled:
@@ -176,40 +179,70 @@ def test_direct_launch_logic(monkeypatch):
 
             return run
 
-    class Cuda:  # stands in for a CUDA tensor
-        device = torch.device("cuda", 0)
-
-    monkeypatch.setattr(T, "LEAN", True)
-    x, launch = Cuda(), T._Launch(Fn())
-    launch((2,), x, 5, BLOCK=16, num_warps=4, num_stages=2)
-    launch((3,), x, 7, BLOCK=16, num_warps=4, num_stages=2)
-    launch((3,), x, 1, BLOCK=16, num_warps=4, num_stages=2)  # n == 1: Triton specializes it
-    assert calls == [("triton", (2,), (x, 5), (("BLOCK", 16), ("num_stages", 2), ("num_warps", 4))),
-                     ("direct", (3,), (x, 7, 16)),
-                     ("triton", (3,), (x, 1), (("BLOCK", 16), ("num_stages", 2), ("num_warps", 4)))]  # fmt: skip
+    monkeypatch.setattr(L, "LEAN", True)
+    monkeypatch.setattr(L.Launcher, "ok", True)
+    kw = (("BLOCK", 16), ("num_stages", 2), ("num_warps", 4))
+    launch = L.Launcher(Fn(), 2, dict(kw))
+    launch((2, 1, 1), "a", ("x", 5))
+    launch((3, 1, 1), "a", ("x", 7))
+    launch((3, 1, 1), "b", ("x", 1))
+    launch((3, 1, 1), None, ("x", 7))
+    assert calls == [("triton", (2, 1, 1), ("x", 5), kw), ("direct", (3, 1, 1), ("x", 7, 16)),
+                     ("triton", (3, 1, 1), ("x", 1), kw), ("triton", (3, 1, 1), ("x", 7), kw)]  # fmt: skip
     calls[:] = ["fail"]
-    launch((4,), x, 9, BLOCK=16, num_warps=4, num_stages=2)
-    assert not launch.ok and calls[-1][0] == "triton"
-    launch((4,), x, 9, BLOCK=16, num_warps=4, num_stages=2)
+    launch((4, 1, 1), "a", ("x", 9))
+    assert not L.Launcher.ok and calls[-1][0] == "triton"
+    launch((4, 1, 1), "a", ("x", 9))
     assert calls[-1][0] == "triton"
+
+
+def test_plan_follows_the_settings(monkeypatch):
+    """A call's plan is cached per signature, and a changed setting (the benchmarks sweep them)
+    makes a new one."""
+    q, k, v = make(1, 4, 2, 1, 300, 32, torch.float32)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v = on(dev, q.reshape(1, 2, 2, 32), k, v)
+    T._PLANS.clear()
+    T._split_kv(q, k, v, None, None, 0.2, 0.0, False)
+    T._split_kv(q, k[:, :, :200], v[:, :, :200], None, None, 0.2, 0.0, False)  # another S: the same plan
+    assert len(T._PLANS) == 1
+    monkeypatch.setattr(T, "PROGRAMS_PER_SM", T.PROGRAMS_PER_SM + 1)
+    T._split_kv(q, k, v, None, None, 0.2, 0.0, False)
+    monkeypatch.setitem(T.DECODE_CONFIG, "num_warps", 8)
+    T._split_kv(q, k, v, None, None, 0.2, 0.0, False)
+    assert len(T._PLANS) == 3
 
 
 def test_direct_launch_matches_triton_on_cuda():
     """On a GPU: the direct launches (the compiled kernels, no Triton binding) give Triton's
-    launches' results bitwise, for inputs that share a compiled kernel, and stay in use."""
+    launches' results bitwise, as a decode loop calls them (one cache, S growing), and are
+    the ones in use."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA (the direct launch runs compiled kernels; the logic is tested on CPU)")
-    fwd, merge = T._kernel()
+    from treeattn.ops import _triton_launch as L
+
+    class Broken:
+        def __getitem__(self, grid):
+            raise AssertionError("a launch through Triton")
+
+    T._PLANS.clear()
+    lens = torch.tensor([500, 3], device="cuda")
     for dtype in (torch.bfloat16, torch.float32):
-        for seed in range(3):
-            q, k, v = on("cuda", *make(2, 8, 2, 1, 700 + 64 * seed, 64, dtype, seed=seed))
-            lens = torch.tensor([500, 3], device="cuda")
-            T.LEAN = True
-            a = attention_with_lse(q, k, v, kv_lens=lens, backend="triton", check=False)
-            T.LEAN = False
+        q, k, v = on("cuda", *make(2, 8, 2, 1, 900, 64, dtype))
+        for S in (700, 710, 740):  # slices of one cache: one plan, one compiled kernel
+            a = attention_with_lse(q, k[:, :, :S], v[:, :, :S], kv_lens=lens, backend="triton", check=False)
+            L.LEAN = False
             try:
-                b = attention_with_lse(q, k, v, kv_lens=lens, backend="triton", check=False)
+                b = attention_with_lse(q, k[:, :, :S], v[:, :, :S], kv_lens=lens, backend="triton", check=False)
             finally:
-                T.LEAN = True
-            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (dtype, seed)
-    assert fwd.ok and merge.ok and fwd.compiled and merge.compiled
+                L.LEAN = True
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (dtype, S)
+        assert L.Launcher.ok and len(T._PLANS) == 1
+        (plan,) = T._PLANS.values()
+        assert plan.merges, "the case has several splits"
+        plan.fwd.fn = Broken()  # from here only direct launches can run
+        for m in plan.merges.values():
+            m.fn = Broken()
+        c = attention_with_lse(q, k[:, :, :730], v[:, :, :730], kv_lens=lens, backend="triton", check=False)
+        assert torch.equal(c[0], a[0]) and torch.equal(c[1], a[1])  # kv_lens <= 500: the same keys
+        T._PLANS.clear()

@@ -92,6 +92,7 @@ class ShardedKVCache:
         self._uniform = True  # every sequence has the same length and layout
         self._step_rows: Tensor | None = None
         self._step_slots: Tensor | None = None
+        self._step_slot: int | None = None  # every sequence's step token here, at this one slot
         self.slot_limit: int | None = None
         self._grow(max(capacity, 1))
 
@@ -244,7 +245,7 @@ class ShardedKVCache:
         self.positions = torch.where(keep, self.positions, -1)
         self.used = int(self.kv_lens.max()) if self.B else 0
         self._uniform = self._check_uniform()
-        self._step_rows = self._step_slots = None
+        self._step_rows = self._step_slots = self._step_slot = None
 
     # -- decode ----------------------------------------------------------------------
     def begin_decode_step(self) -> Tensor:
@@ -253,6 +254,9 @@ class ShardedKVCache:
         rows, _, slots = self.place(1)
         self._step_rows = rows.to(self.device, non_blocking=True)
         self._step_slots = slots.to(self.device, non_blocking=True)
+        # (host tensors: no sync) one slot for all: each layer stores with one copy, no index kernels
+        one = len(rows) == self.B > 0 and bool((slots == slots[0]).all())
+        self._step_slot = int(slots[0]) if one else None
         return self.owner[torch.arange(self.B), self.seq_lens - 1].to(torch.int64)
 
     def store_decode(self, layer: int, k: Tensor, v: Tensor) -> None:
@@ -260,6 +264,11 @@ class ShardedKVCache:
         rank owns this step."""
         if self._step_rows is None:
             raise RuntimeError("store_decode before begin_decode_step")
+        if self._step_slot is not None:
+            i = self._step_slot
+            self.k[layer][:, :, i : i + 1].copy_(k)
+            self.v[layer][:, :, i : i + 1].copy_(v)
+            return
         r, s = self._step_rows, self._step_slots
         if len(r):
             self.k[layer][r, :, s] = k[r, :, 0]
@@ -286,6 +295,11 @@ class ShardedKVCache:
         if window is None:
             return None
         return self.slots_before(q_pos.to(torch.int64) - window + 1).to(self.device, non_blocking=True)
+
+    def shard(self, layer: int, stop: int | None = None) -> tuple[Tensor, Tensor]:
+        """:meth:`local`'s ``(k, v)`` views alone (no copy of the lengths to the device)."""
+        stop = self.used if stop is None else min(stop, self.used)
+        return self.k[layer][:, :, :stop], self.v[layer][:, :, :stop]
 
     def local(self, layer: int, stop: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """``(k, v, kv_lens)``: this rank's shard ``[B, Hkv, used, D]`` (views, no copy) and

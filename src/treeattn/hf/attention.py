@@ -129,7 +129,7 @@ def treeattn_attention(
     elif ctx.mode == "prefill":
         n, rank = ctx.n_real, ctx.cache.rank
         stop = len(ctx.positions[rank])  # this rank's keys up to and including this chunk (stored above)
-        k, v, _ = ctx.cache.local(module.layer_idx, stop)
+        k, v = ctx.cache.shard(module.layer_idx, stop)
         if ctx.attention == "ring":
             out = ring_prefill(
                 query[:, :, :n],
@@ -158,7 +158,7 @@ def treeattn_attention(
         if n < query.shape[2]:  # placeholder token of a rank that holds no prompt token
             out = torch.cat([out, out.new_zeros(*out.shape[:2], query.shape[2] - n, out.shape[3])], 2)
     else:
-        k, v, _ = ctx.cache.local(module.layer_idx)
+        k, v = ctx.cache.shard(module.layer_idx)
         kw = dict(kv_lens=ctx.kv_lens, kv_start=ctx.window_start(window), softcap=softcap, group=ctx.group)
         if ctx.mode == "step":  # the block's own tokens: new_k/new_v under the tree mask, counted once
             kw.update(new_k=key, new_v=value, new_mask=ctx.block_mask(window))

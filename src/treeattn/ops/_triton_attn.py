@@ -28,6 +28,8 @@ import os
 import torch
 from torch import Tensor
 
+from ._triton_launch import Launcher
+
 __all__ = ["triton_available", "triton_attention", "num_splits"]
 
 _LOG2E = 1.4426950408889634
@@ -244,53 +246,7 @@ def _kernel():
         tl.store(OUT + b * tob + h * toh + r * tor + dv * tod, out.to(OUT.dtype.element_ty), mask=dv < DV)
         tl.store(LSE + b * tlb + h * tlh + r * tlr, res)
 
-    return _Launch(split_kv_fwd), _Launch(merge_splits)
-
-
-def _spec(x) -> object:
-    """What Triton specializes a kernel on for one argument (a superset of it): a tensor's dtype and
-    16-byte alignment; an int's being 1, a multiple of 16, 32-bit; a constexpr's value."""
-    if isinstance(x, Tensor):
-        return x.dtype, x.data_ptr() % 16 == 0
-    if type(x) is int:
-        return x == 1, x % 16 == 0, -(1 << 31) <= x < (1 << 31)
-    return x if x is None or isinstance(x, (bool, str)) else type(x)
-
-
-LEAN = os.environ.get("TREEATTN_TRITON_LEAN", "1") != "0"  # benchmarks/gpu_kernel.py compares both
-
-
-class _Launch:
-    """Launches a ``triton.jit`` kernel through its compiled form, cached under :func:`_spec` of
-    every argument: Triton's own launch binds, keys and formats all ~45 arguments on every call
-    (its host time, not the GPU's, bounds an eager decode call below ~128k keys). A key's first
-    call goes through Triton (compiling if needed) and keeps the compiled kernel; if a later
-    direct launch raises (another Triton's calling convention), every launch goes through Triton."""
-
-    def __init__(self, fn) -> None:
-        self.fn, self.names, self.compiled, self.ok = fn, list(getattr(fn, "arg_names", ())), {}, True
-
-    def __call__(self, grid: tuple[int, ...], *args, num_warps: int = 4, num_stages: int = 2, **constexprs) -> None:
-        if not (LEAN and self.ok and self.names) or args[0].device.type != "cuda":  # the interpreter
-            self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
-            return
-        full = args + tuple(constexprs[n] for n in self.names[len(args) :])
-        key = (args[0].device.index, num_warps, num_stages, *map(_spec, full))
-        kernel = self.compiled.get(key)
-        if kernel is None:
-            self.compiled[key] = self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
-            return
-        try:
-            kernel[grid](*full)
-        except (TypeError, ValueError, AttributeError, IndexError):
-            self.ok = False
-            self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
-
-
-def _rows2(t: Tensor | None) -> tuple[Tensor | None, int, int]:
-    if t is None:
-        return None, 0, 0
-    return t, t.stride(0), t.stride(1)
+    return split_kv_fwd, merge_splits
 
 
 # kernel shapes (BLOCK_N, num_warps, num_stages) from benchmarks/gpu_kernel.py on one H200
@@ -331,6 +287,78 @@ def _config(cfg: dict, D: int, Dv: int, itemsize: int) -> tuple[int, int, int]:
     return bn, cfg["num_warps"], st
 
 
+class _Plan:
+    """What a call's signature fixes (shapes but S, strides, dtypes, flags, the settings above):
+    the kernels' shapes, constexprs and fixed arguments, and their launchers. Per call there
+    remain S (the split count, the split length), the tensors and their alignment."""
+
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, lo, hi, scale, softcap, row_bounds, keep_fp32) -> None:
+        B, H, R, D = q.shape
+        Dv, dev = v.shape[3], q.device
+        fma = _fma(R, q.dtype)
+        self.want = num_splits(B, H, R, 1 << 62, dev, fma)  # splits = min(want, ceil(S / 256))
+        decode = self.want > 1 or R <= 16
+        cfg = FMA_CONFIG if fma else DECODE_CONFIG if decode else PREFILL_CONFIG
+        bm, bd, bdv = _blocks(R, D, Dv, fma)
+        self.bn, warps, stages = _config(cfg, bd, bdv, k.element_size())
+        self.B, self.H, self.R, self.D, self.Dv, self.dev = B, H, R, D, Dv, dev
+        self.out_dtype = torch.float32 if keep_fp32 else q.dtype
+        self.empty = B * H * R == 0
+        self.grid01 = (B * H, -(-R // bm))
+        cap = float(softcap)
+        bounds = tuple(t.stride() if t is not None else (0, 0) for t in (lo, hi))
+        self.fixed = (*q.stride(), *k.stride(), *v.stride(), *bounds[0], *bounds[1])
+        self.scalars = (scale * _LOG2E, scale / cap if cap else 0.0, cap * _LOG2E)
+        interp = dev.type == "cpu"  # the interpreter's tl.dot misreads bfloat16 operands
+        self.cuda = dev.type == "cuda"
+        fwd, merge = _kernel()
+        self.fwd = Launcher(fwd, 41, dict(
+            HAS_LO=lo is not None, HAS_HI=hi is not None, SOFTCAP=cap > 0, ROW_BOUNDS=row_bounds,
+            IEEE=q.dtype == torch.float32 or interp, F32DOT=interp, FMA=fma, BLOCK_M=bm, BLOCK_N=self.bn,
+            BLOCK_D=bd, BLOCK_DV=bdv, num_warps=warps, num_stages=stages))  # fmt: skip
+        self.merges = {}  # BLOCK_S -> Launcher
+        self.merge_fn, self.bdv = merge, bdv
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, lo: Tensor | None, hi: Tensor | None) -> tuple[Tensor, Tensor]:
+        B, H, R, Dv, dev = self.B, self.H, self.R, self.Dv, self.dev
+        out = torch.empty((B, H, R, Dv), dtype=self.out_dtype, device=dev)
+        lse = torch.empty((B, H, R), dtype=torch.float32, device=dev)
+        if self.empty:
+            return out, lse
+        S = k.shape[2]
+        splits = max(1, min(self.want, -(-S // 256)))
+        per = -(-max(S, 1) // splits)
+        split_len = -(-per // self.bn) * self.bn  # a multiple of BLOCK_N (>= 16)
+        if splits > 1:
+            po = torch.empty((B, H, splits, R, Dv), dtype=torch.float32, device=dev)
+            pl = torch.empty((B, H, splits, R), dtype=torch.float32, device=dev)
+        else:  # one split writes the result (its split stride is never used)
+            po, pl = out, lse
+        so = (H * splits * R * Dv, splits * R * Dv, R * Dv, Dv, 1)
+        sl = (H * splits * R, splits * R, R, 1)
+        lo_t = q if lo is None else lo
+        hi_t = q if hi is None else hi
+        key = None
+        if self.cuda:  # what Triton specializes on that the plan does not fix
+            key = (splits, S == 1, S % 16 == 0, so[0] < 1 << 31, q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0,
+                   v.data_ptr() % 16 == 0, lo_t.data_ptr() % 16 == 0, hi_t.data_ptr() % 16 == 0)  # fmt: skip
+        self.fwd(
+            (*self.grid01, splits), key,
+            (q, k, v, lo_t, hi_t, po, pl, *self.fixed, *so, *sl, H, R, S, self.D, Dv, split_len, *self.scalars),
+        )  # fmt: skip
+        if splits > 1:
+            bs = _merge_block(splits)
+            merge = self.merges.get(bs)
+            if merge is None:
+                merge = self.merges[bs] = Launcher(self.merge_fn, 24, dict(BLOCK_S=bs, BLOCK_DV=self.bdv))
+            to, tl_ = (H * R * Dv, R * Dv, Dv, 1), (H * R, R, 1)
+            merge((B * H * R, 1, 1), key and (splits, so[0] < 1 << 31), (po, pl, out, lse, *so, *sl, *to, *tl_, H, R, Dv, splits))
+        return out, lse
+
+
+_PLANS: dict = {}
+
+
 def _split_kv(
     q: Tensor,
     k: Tensor,
@@ -344,44 +372,20 @@ def _split_kv(
 ) -> tuple[Tensor, Tensor]:
     """Attention states of ``q [B, H, R, D]`` over ``k/v [B, H, S, D|Dv]`` (last dims
     contiguous), ``lo/hi`` int ``[B, R]`` or None, ``softcap`` 0 for none: ``out [B, H, R, Dv]``
-    (float32, or q's dtype written by the kernels unless ``keep_fp32``) and float32 ``lse [B, H, R]``. The key splits (:func:`num_splits`) are
-    merged by a second kernel with :func:`~treeattn.ops.state.merge_states_n`'s semantics."""
-    B, H, R, D = q.shape
-    S, Dv = k.shape[2], v.shape[3]
-    fma = _fma(R, q.dtype)
-    splits = num_splits(B, H, R, S, q.device, fma)
-    out = torch.empty(B, H, R, Dv, dtype=torch.float32 if keep_fp32 else q.dtype, device=q.device)
-    lse = torch.empty(B, H, R, dtype=torch.float32, device=q.device)
-    if lse.numel() == 0:
-        return out, lse
-    cfg = FMA_CONFIG if fma else DECODE_CONFIG if splits > 1 or R <= 16 else PREFILL_CONFIG
-    bm, bd, bdv = _blocks(R, D, Dv, fma)
-    bn, warps, stages = _config(cfg, bd, bdv, k.element_size())
-    split_len = -(-max(S, 1) // splits)
-    split_len = -(-split_len // bn) * bn
-    po, pl = out.unsqueeze(2), lse.unsqueeze(2)  # [B, H, 1, R(, Dv)]: one split writes the result
-    if splits > 1:
-        po = torch.empty(B, H, splits, R, Dv, dtype=torch.float32, device=q.device)
-        pl = torch.empty(B, H, splits, R, dtype=torch.float32, device=q.device)
-    lo_t, slob, slor = _rows2(lo)
-    hi_t, shib, shir = _rows2(hi)
-    cap = float(softcap)
-    interp = q.device.type == "cpu"  # the interpreter's tl.dot misreads bfloat16 operands
-    fwd, merge = _kernel()
-    fwd(
-        (B * H, -(-R // bm), splits), q, k, v, lo_t if lo_t is not None else q, hi_t if hi_t is not None else q, po, pl,
-        *q.stride(), *k.stride(), *v.stride(), slob, slor, shib, shir, *po.stride(), *pl.stride(),
-        H, R, S, D, Dv, split_len, scale * _LOG2E, scale / cap if cap else 0.0, cap * _LOG2E,
-        HAS_LO=lo is not None, HAS_HI=hi is not None, SOFTCAP=cap > 0, ROW_BOUNDS=row_bounds,
-        IEEE=q.dtype == torch.float32 or interp, F32DOT=interp, FMA=fma, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
-        BLOCK_DV=bdv, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    if splits > 1:
-        merge(
-            (B * H * R,), po, pl, out, lse, *po.stride(), *pl.stride(), *out.stride(), *lse.stride(), H, R, Dv, splits,
-            BLOCK_S=_merge_block(splits), BLOCK_DV=bdv,
-        )  # fmt: skip
-    return out, lse
+    (float32, or q's dtype written by the kernels unless ``keep_fp32``) and float32
+    ``lse [B, H, R]``. The key splits (:func:`num_splits`) are merged by a second kernel with
+    :func:`~treeattn.ops.state.merge_states_n`'s semantics. A plan per call signature
+    (:class:`_Plan`) keeps the host's work per call small."""
+    key = (q.shape, q.stride(), q.dtype, q.device, k.shape[3], k.stride(), k.dtype, v.shape[3], v.stride(), v.dtype,
+           None if lo is None else (lo.dtype, lo.stride()), None if hi is None else (hi.dtype, hi.stride()),
+           scale, softcap, row_bounds, keep_fp32, PROGRAMS_PER_SM, FMA_ROWS.get(q.dtype),
+           *DECODE_CONFIG.values(), *PREFILL_CONFIG.values(), *FMA_CONFIG.values())  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= 1024:
+            _PLANS.clear()
+        plan = _PLANS[key] = _Plan(q, k, v, lo, hi, scale, softcap, row_bounds, keep_fp32)
+    return plan(q, k, v, lo, hi)
 
 
 split_kv_attention = torch.library.custom_op("treeattn::split_kv_attention", _split_kv, mutates_args=())
