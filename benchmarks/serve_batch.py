@@ -140,6 +140,10 @@ def median(xs: list[float]) -> float:
     return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
 
 
+def block_args(a) -> list[str]:
+    return ["--block", str(a.block)] if a.block else []
+
+
 def serve_runs(a, gguf: str, doc: str) -> None:
     """Both servers up at once (the idle one only sends heartbeats), taking turns round after
     round, so that the machine's drift falls on both alike; medians over the rounds."""
@@ -148,7 +152,7 @@ def serve_runs(a, gguf: str, doc: str) -> None:
     texts = [doc + q for q in QUESTIONS]
     servers, clients, alone = {}, {}, {}
     for mb in (1, 8):
-        s = servers[mb] = Server(gguf, a.nproc, "--max-batch", str(mb), "--max-queue", "32")
+        s = servers[mb] = Server(gguf, a.nproc, "--max-batch", str(mb), "--max-queue", "32", *block_args(a))
         c = clients[mb] = openai.OpenAI(base_url=s.url + "/v1", api_key="-", max_retries=0, timeout=3600)
         ask(c, s.name, texts[0], 2)  # the document is prefilled once, then cached
         alone[mb] = [ask(c, s.name, t, a.max_new_tokens) for t in texts]
@@ -217,7 +221,7 @@ def speculate_runs(a, gguf: str, doc: str) -> None:
               "draft model (= the model)": ("--speculate", "draft", "--draft-model", gguf)}  # fmt: skip
     servers, clients, alone, rates, same = {}, {}, {}, {k: [] for k in labels}, dict.fromkeys(labels, 0)
     for label, extra in labels.items():
-        s = servers[label] = Server(gguf, a.nproc, "--max-batch", "8", *extra)
+        s = servers[label] = Server(gguf, a.nproc, "--max-batch", "8", *extra, *block_args(a))
         c = clients[label] = openai.OpenAI(base_url=s.url + "/v1", api_key="-", max_retries=0, timeout=3600)
         ask(c, s.name, texts[0], 2)  # the document is prefilled once, then cached
         alone[label] = [ask(c, s.name, t, a.quote_tokens) for t in texts]
@@ -248,7 +252,7 @@ def speculate_runs(a, gguf: str, doc: str) -> None:
               f"{sum(x['text'] == y['text'] for x, y in zip(alone['plain'], alone[label], strict=True))}/4")  # fmt: skip
 
 
-def breakdown_worker(model_dir: str, prompts: list[list[int]], steps: int) -> None:
+def breakdown_worker(model_dir: str, prompts: list[list[int]], steps: int, block: int | None = None) -> None:
     """Where a batched decode step's time goes per rank, rows reading one shared prefix."""
     import torch
     import torch.distributed as dist
@@ -281,7 +285,7 @@ def breakdown_worker(model_dir: str, prompts: list[list[int]], steps: int) -> No
     cas.reduce_states = timed("reduction", cas.reduce_states)
     n0 = min(len(p) for p in prompts)
     keep = next((i for i in range(n0) if len({p[i] for p in prompts}) > 1), n0)  # the shared head
-    r = BatchRunner(model, None, 8, prefill_chunk=1024)
+    r = BatchRunner(model, None, 8, prefill_chunk=1024, **({"block": block} if block else {}))
     r.prefill(0, prompts[0][:keep])
     r.rows._grow(max(len(p) for p in prompts) - keep + 4 * steps + 8)  # room up front: no growth inside a timed step
     rows_out = []
@@ -333,6 +337,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16, help="decode steps per row count in the breakdown")
     ap.add_argument("--quote-tokens", type=int, default=64, help="new tokens at most of the quoting answers")
     ap.add_argument("--rounds", type=int, default=4, help="turns of each server, in the serve and speculation parts")
+    ap.add_argument("--block", type=int, help="the servers' (and the breakdown's) placement block (default: auto)")
     ap.add_argument("--only", choices=["serve", "breakdown", "speculate"], help="run one part")
     a = ap.parse_args()
     gguf = smollm2_gguf()
@@ -351,7 +356,7 @@ def main() -> None:
         tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
         prompts = [list(tok.apply_chat_template([{"role": "user", "content": doc + q}], add_generation_prompt=True,
                                                 tokenize=True, return_dict=True)["input_ids"]) for q in QUESTIONS]  # fmt: skip
-        launch(breakdown_worker, a.nproc, (str(d), prompts, a.steps), timeout=7200)
+        launch(breakdown_worker, a.nproc, (str(d), prompts, a.steps, a.block), timeout=7200)
 
 
 if __name__ == "__main__":

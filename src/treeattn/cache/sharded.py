@@ -296,6 +296,14 @@ class ShardedKVCache:
             return None
         return self.slots_before(q_pos.to(torch.int64) - window + 1).to(self.device, non_blocking=True)
 
+    def lens_on_device(self) -> Tensor | None:
+        """The valid length per sequence ``[B]`` on the cache's device, or None when every
+        sequence's is :attr:`used` (then :meth:`shard`'s slots are all valid: no bound to pass,
+        no copy to the device, no per-row bounds in the kernels). Decided on the host."""
+        if self.B and bool((self.kv_lens == self.used).all()):
+            return None
+        return self.kv_lens.clone().to(self.device, non_blocking=True)
+
     def shard(self, layer: int, stop: int | None = None) -> tuple[Tensor, Tensor]:
         """:meth:`local`'s ``(k, v)`` views alone (no copy of the lengths to the device)."""
         stop = self.used if stop is None else min(stop, self.used)

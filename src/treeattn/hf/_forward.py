@@ -112,8 +112,7 @@ class Forwards:
         c = self.cache
         pos = c.seq_lens.clone()
         c.begin_decode_step()
-        ctx = StepContext(c, "decode", self.attention, self.strategy, self.group, kv_lens=c.kv_lens.clone().to(
-            self.device), q_pos=pos)  # fmt: skip
+        ctx = StepContext(c, "decode", self.attention, self.strategy, self.group, kv_lens=c.lens_on_device(), q_pos=pos)
         hidden = self._run(ctx, tok[:, None], pos[:, None])[:, -1]
         if hidden_store is not None:
             hidden_store.store(c._step_rows, c._step_slots, hidden[c._step_rows])
@@ -125,7 +124,7 @@ class Forwards:
         _, depth, sees = tree
         c = self.cache
         q_pos = committed[:, None] + depth[None, :]
-        ctx = StepContext(c, "step", self.attention, self.strategy, self.group, kv_lens=c.kv_lens.to(self.device),
+        ctx = StepContext(c, "step", self.attention, self.strategy, self.group, kv_lens=c.lens_on_device(),
                           q_pos=q_pos, tree=sees, depth=depth)  # fmt: skip
         hidden = self._run(ctx, tokens, q_pos)
         return lm_logits(self.model, hidden), hidden, ctx.stash
