@@ -186,3 +186,20 @@ def decode_worker(strategies: list[str]) -> None:
 )
 def test_decode_matches_reference(p, ranks_per_node, strategies):
     launch(decode_worker, p, (strategies,), timeout=180, collective_timeout=60, ranks_per_node=ranks_per_node)
+
+
+def test_one_rank_is_the_local_op():
+    """tree_decode on one process (no reduction; no new tokens) returns the local op's result
+    bitwise, in q's dtype; an unknown strategy is refused even with check=False."""
+    import treeattn
+
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(2, 8, 1, 32, generator=g).to(dtype)
+        k, v = torch.randn(2, 2, 50, 32, generator=g).to(dtype), torch.randn(2, 2, 50, 32, generator=g).to(dtype)
+        lens = torch.tensor([50, 17])
+        out, lse = treeattn.tree_decode(q, k, v, kv_lens=lens, return_lse=True, check=False)
+        ref = treeattn.attention_with_lse(q, k, v, kv_lens=lens, check=False)
+        assert out.dtype == dtype and torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        treeattn.tree_decode(q, k, v, strategy="allreduce4", check=False)
