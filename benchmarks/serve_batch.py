@@ -159,12 +159,15 @@ def serve_runs(a, gguf: str, doc: str) -> None:
     rate = {(mb, c): [] for mb in (1, 8) for c in (1, 2, 4, 8)}
     stream, same, late = {k: [] for k in rate}, dict.fromkeys(rate, 0), {1: [], 8: []}
     joins = {k: [] for k in rate}  # until the last client's first token
+    step_costs: list[dict] = []
     for r in range(a.rounds):
         for mb in (1, 8)[:: 1 if r % 2 == 0 else -1]:
             s, client = servers[mb], clients[mb]
             for c in (1, 2, 4, 8):
                 got, wall = together(client, s.name, texts[:c], a.max_new_tokens)
                 joins[mb, c].append(max(g["times"][0] for g in got) - min(g["t0"] for g in got))
+                if (mb, c) == (8, 8):  # the step costs of this round (per row count, the server's latest)
+                    step_costs.append(s.health().get("decode_step_seconds") or {})
                 same[mb, c] += sum(g["text"] == x["text"] for g, x in zip(got, alone[mb], strict=False))
                 rate[mb, c].append(sum(g["tokens"] for g in got) / wall)
                 stream[mb, c].append(median([per_token_ms(g) for g in got]))
@@ -204,7 +207,7 @@ def serve_runs(a, gguf: str, doc: str) -> None:
         print(f"late joiner, --max-batch {mb}: time to first token with 7 streaming {', '.join(f'{x:.2f}' for x in j)} s "
               f"(median {median(j):.2f} s), idle {idle:.2f} s ({median(j) / idle:.2f}x); answer same as alone: "
               f"{sum(x[1] for x in late[mb])}/{R}")  # fmt: skip
-    print(bound(alone[8], mem[8][1].get("decode_step_seconds") or {}, median(rate[1, 8]), median(joins[8, 8])))
+    print("\n".join(bound(alone[8], sc, o, j) for sc, o, j in zip(step_costs, rate[1, 8], joins[8, 8], strict=True)))
     for mb in (1, 8):
         peaks, h = mem[mb]
         print(f"--max-batch {mb}: peak memory per rank (VmHWM) {', '.join(f'{x:,.0f} MiB' for x in peaks)}; "
@@ -228,7 +231,7 @@ def bound(answers: list[dict], step_s: dict, one_rate: float, join: float) -> st
     n = sum(x["tokens"] for x in answers)
     idle, joined = n / (answers[0]["ttft"] + t), n / (join + t)
     ms = ", ".join(f"{k}: {1e3 * v:.0f}" for k, v in sorted(steps.items()))
-    return (f"what the 8-client workload allows the batched server (answers of {sorted(x['tokens'] for x in answers)} "
+    return (f"round: what the 8-client workload allows the batched server (answers of {sorted(x['tokens'] for x in answers)} "
             f"tokens; decode steps at its measured {ms} ms by rows): {idle / one_rate:.2f}x the one-at-a-time server "
             f"if every question's first token came at the idle time to first token, {joined / one_rate:.2f}x after "
             f"the measured {join:.2f} s to the last first token (the joiners' prefill)")  # fmt: skip
