@@ -161,16 +161,16 @@ def test_slots_before_per_query_and_rewind():
     assert c.uniform() and c.seq_lens.tolist() == [2, 2]
 
 
-@pytest.mark.parametrize("lens", [[5, 5], [5, 3]])
-def test_decode_step_stores_at_one_slot_or_by_index(lens):
+@pytest.mark.parametrize("lens,L", [([5, 5], 5), ([5, 3], 5), ([3, 3], 5)])
+def test_decode_step_stores_at_one_slot_or_by_index(lens, L):
     """A step whose sequences all sit at one local slot stores each layer with one copy, a
     ragged one by index; the cache holds the same either way. Steps pass no lengths when every
     sequence's is the shard's used slots (lens_on_device), else the lengths."""
     B, H, D = 2, 2, 4
     c = ShardedKVCache(1, B, H, D, capacity=4)
     lens_t = torch.tensor(lens)
-    c.begin_prefill(lens_t, max(lens))
-    c.store_prefill(0, torch.ones(B, H, max(lens), D), torch.ones(B, H, max(lens), D))
+    c.begin_prefill(lens_t, L)  # ([3, 3], 5): equal lengths below the padding
+    c.store_prefill(0, torch.ones(B, H, L, D), torch.ones(B, H, L, D))
     for step in range(3):
         c.begin_decode_step()
         assert (c._step_slot is not None) == (lens[0] == lens[1])
@@ -181,6 +181,9 @@ def test_decode_step_stores_at_one_slot_or_by_index(lens):
             s = int(c.kv_lens[b]) - 1
             assert torch.equal(k[b, :, s], new[b, :, 0]) and torch.equal(v[b, :, s], -new[b, :, 0])
         kl = c.lens_on_device()
-        assert (kl is None) == (lens[0] == lens[1])
+        # None exactly when every slot below `used` is valid for every sequence: not while
+        # equal lengths sit below a padded prompt's slots ([3, 3] padded to 5: step 0)
+        assert (kl is None) == bool((c.kv_lens == c.used).all())
+        assert (kl is None) == (lens[0] == lens[1] and step + 1 >= L - lens[0])
         if kl is not None:
             assert torch.equal(kl, c.kv_lens)

@@ -213,6 +213,32 @@ def test_plan_follows_the_settings(monkeypatch):
     assert len(T._PLANS) == 3
 
 
+def test_launch_key_follows_what_triton_specializes():
+    """The per-call key changes with everything Triton specializes on that a plan does not fix."""
+    buf = torch.zeros(1024)
+    a, odd = buf[:512], buf[1:513]  # 16-byte aligned, and not
+    base = T.launch_key(3, 700, 240, 1000, a, a, a, a, a)
+    assert T.launch_key(3, 710, 240, 1000, a, a, a, a, a) == base  # S: neither 1 nor a multiple of 16
+    for other in (T.launch_key(4, 700, 240, 1000, a, a, a, a, a), T.launch_key(3, 704, 240, 1000, a, a, a, a, a),
+                  T.launch_key(3, 1, 240, 1000, a, a, a, a, a), T.launch_key(3, 700, 232, 1000, a, a, a, a, a),
+                  T.launch_key(3, 700, 240, 1 << 31, a, a, a, a, a), T.launch_key(3, 700, 240, 1000, a, odd, a, a, a),
+                  T.launch_key(3, 700, 240, 1000, a, a, a, a, odd)):  # fmt: skip
+        assert other != base
+
+
+def test_output_in_q_dtype_is_the_rounded_float32(dev):
+    """An output in q's dtype is the float32 result rounded to nearest even (the interpreter,
+    which truncates to bfloat16, casts in torch), with or without the merge."""
+    from treeattn.ops.attention import _attention
+
+    for S in (100, 700):
+        q, k, v = on(dev, *make(2, 8, 2, 1, S, 64, torch.bfloat16))
+        lens = torch.tensor([S, 3], device=dev)
+        out, lse = attention_with_lse(q, k, v, kv_lens=lens, backend="triton", check=False)
+        full, lse32 = _attention(q, k, v, kv_lens=lens, backend="triton", keep_fp32=True)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, full.to(torch.bfloat16)) and torch.equal(lse, lse32)
+
+
 def test_direct_launch_matches_triton_on_cuda():
     """On a GPU: the direct launches (the compiled kernels, no Triton binding) give Triton's
     launches' results bitwise, as a decode loop calls them (one cache, S growing), and are
@@ -245,4 +271,17 @@ def test_direct_launch_matches_triton_on_cuda():
             m.fn = Broken()
         c = attention_with_lse(q, k[:, :, :730], v[:, :, :730], kv_lens=lens, backend="triton", check=False)
         assert torch.equal(c[0], a[0]) and torch.equal(c[1], a[1])  # kv_lens <= 500: the same keys
+        T._PLANS.clear()
+        # keys that differ: S a multiple of 16, then K at a pointer that is not 16-byte aligned
+        buf = torch.empty(k.numel() + 1, dtype=dtype, device="cuda")
+        k_odd = buf[1:].view(k.shape).copy_(k)
+        for kk in (k[:, :, :704], k_odd[:, :, :704], k_odd[:, :, :700]):
+            S = kk.shape[2]
+            a = attention_with_lse(q, kk, v[:, :, :S], kv_lens=lens, backend="triton", check=False)
+            L.LEAN = False
+            try:
+                b = attention_with_lse(q, kk, v[:, :, :S], kv_lens=lens, backend="triton", check=False)
+            finally:
+                L.LEAN = True
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (dtype, S)
         T._PLANS.clear()

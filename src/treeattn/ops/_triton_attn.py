@@ -297,20 +297,26 @@ class _Plan:
         Dv, dev = v.shape[3], q.device
         fma = _fma(R, q.dtype)
         self.want = num_splits(B, H, R, 1 << 62, dev, fma)  # splits = min(want, ceil(S / 256))
+        # the decode config when the GPU wants splits or rows are few (whatever S; the configs
+        # share BLOCK_N today, so a short S that gets one split differs in nothing but the name)
         decode = self.want > 1 or R <= 16
         cfg = FMA_CONFIG if fma else DECODE_CONFIG if decode else PREFILL_CONFIG
         bm, bd, bdv = _blocks(R, D, Dv, fma)
         self.bn, warps, stages = _config(cfg, bd, bdv, k.element_size())
         self.B, self.H, self.R, self.D, self.Dv, self.dev = B, H, R, D, Dv, dev
-        self.out_dtype = torch.float32 if keep_fp32 else q.dtype
+        interp = dev.type == "cpu"  # the interpreter's tl.dot misreads bfloat16 operands
+        # the kernels write q's dtype (rounding to nearest even); the interpreter truncates to
+        # bfloat16, so there torch casts
+        self.out_dtype = torch.float32 if keep_fp32 or interp else q.dtype
+        self.cast = None if keep_fp32 or not interp else q.dtype
         self.empty = B * H * R == 0
         self.grid01 = (B * H, -(-R // bm))
         cap = float(softcap)
         bounds = tuple(t.stride() if t is not None else (0, 0) for t in (lo, hi))
         self.fixed = (*q.stride(), *k.stride(), *v.stride(), *bounds[0], *bounds[1])
         self.scalars = (scale * _LOG2E, scale / cap if cap else 0.0, cap * _LOG2E)
-        interp = dev.type == "cpu"  # the interpreter's tl.dot misreads bfloat16 operands
-        self.cuda = dev.type == "cuda"
+        # direct launches on CUDA (ROCm's Triton also specializes pointers on their buffer's size)
+        self.cuda = dev.type == "cuda" and not torch.version.hip
         fwd, merge = _kernel()
         self.fwd = Launcher(fwd, 41, dict(
             HAS_LO=lo is not None, HAS_HI=hi is not None, SOFTCAP=cap > 0, ROW_BOUNDS=row_bounds,
@@ -324,11 +330,11 @@ class _Plan:
         out = torch.empty((B, H, R, Dv), dtype=self.out_dtype, device=dev)
         lse = torch.empty((B, H, R), dtype=torch.float32, device=dev)
         if self.empty:
-            return out, lse
+            return (out, lse) if self.cast is None else (out.to(self.cast), lse)
         S = k.shape[2]
         splits = max(1, min(self.want, -(-S // 256)))
         per = -(-max(S, 1) // splits)
-        split_len = -(-per // self.bn) * self.bn  # a multiple of BLOCK_N (>= 16)
+        split_len = -(-per // self.bn) * self.bn  # a multiple of BLOCK_N
         if splits > 1:
             po = torch.empty((B, H, splits, R, Dv), dtype=torch.float32, device=dev)
             pl = torch.empty((B, H, splits, R), dtype=torch.float32, device=dev)
@@ -338,10 +344,7 @@ class _Plan:
         sl = (H * splits * R, splits * R, R, 1)
         lo_t = q if lo is None else lo
         hi_t = q if hi is None else hi
-        key = None
-        if self.cuda:  # what Triton specializes on that the plan does not fix
-            key = (splits, S == 1, S % 16 == 0, so[0] < 1 << 31, q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0,
-                   v.data_ptr() % 16 == 0, lo_t.data_ptr() % 16 == 0, hi_t.data_ptr() % 16 == 0)  # fmt: skip
+        key = launch_key(splits, S, split_len, so[0], q, k, v, lo_t, hi_t) if self.cuda else None
         self.fwd(
             (*self.grid01, splits), key,
             (q, k, v, lo_t, hi_t, po, pl, *self.fixed, *so, *sl, H, R, S, self.D, Dv, split_len, *self.scalars),
@@ -353,7 +356,15 @@ class _Plan:
                 merge = self.merges[bs] = Launcher(self.merge_fn, 24, dict(BLOCK_S=bs, BLOCK_DV=self.bdv))
             to, tl_ = (H * R * Dv, R * Dv, Dv, 1), (H * R, R, 1)
             merge((B * H * R, 1, 1), key and (splits, so[0] < 1 << 31), (po, pl, out, lse, *so, *sl, *to, *tl_, H, R, Dv, splits))
-        return out, lse
+        return (out, lse) if self.cast is None else (out.to(self.cast), lse)
+
+
+def launch_key(splits: int, S: int, split_len: int, stride0: int, *ptrs: Tensor) -> tuple:
+    """What Triton specializes the split kernel on that its plan does not fix: the split count
+    (the partial buffers' dtype and strides follow from it), S and the split length being 1 or
+    multiples of 16, the partials' batch stride fitting 32 bits, each pointer's 16-byte alignment."""
+    return (splits, S == 1, S % 16 == 0, split_len % 16 == 0, stride0 < 1 << 31,
+            *(t.data_ptr() % 16 == 0 for t in ptrs))  # fmt: skip
 
 
 _PLANS: dict = {}
