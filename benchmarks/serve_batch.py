@@ -8,7 +8,9 @@ Both servers are up at once (the idle one only sends heartbeats). Each question 
 alike): 1, 2, 4 and 8 concurrent clients each asking a different question (tokens/s in all,
 per-stream ms/token, answers against their answers alone) and a late joiner (the 8th question
 asked once 7 others stream: its time to first token); medians over the rounds, peak memory
-per rank (VmHWM of each rank process) and the peak KV tokens per rank (``/health``). Then 4
+per rank (VmHWM of each rank process) and the peak KV tokens per rank (``/health``), and per
+round what the 8-client workload allows the batched server (a replay from its answers'
+lengths and the server's own step costs by rows, with the measured join and with none). Then 4
 clients asking questions whose answers quote the document, on the batched server without
 speculation, with ``--speculate prompt-lookup`` and with ``--speculate draft`` (the model as
 its own draft model), the same way. Then, in one process group, where a
