@@ -1,7 +1,8 @@
 """End to end on one GPU: a Llama-3.2-1B-shaped model (16 layers, 32/8 heads x 64, random
 weights), greedy, a long random prompt: a plain transformers forward loop (DynamicCache)
-against treeattn at p = 1 (``treeattn.hf.generate``, a Session loop), in one process,
-alternating. Time to first token and the median ms per later token; tokens compared.
+against treeattn at p = 1 (``treeattn.hf.generate``, a Session loop), eager and with its
+decode steps as CUDA graphs (``cuda_graph=True``), in one process, alternating. Time to first
+token and the median ms per later token; tokens compared.
 
     python benchmarks/gpu_e2e.py --prompt 8192 --new 32 --dtypes bfloat16 float32
 """
@@ -49,12 +50,12 @@ def hf_loop(m, ids, new: int) -> tuple[list[int], float, list[float]]:
     return toks, ttft, steps
 
 
-def treeattn_run(m, ids, new: int, chunk) -> tuple[list[int], float, list[float]]:
+def treeattn_run(m, ids, new: int, chunk, graph: bool = False) -> tuple[list[int], float, list[float]]:
     from treeattn.hf import generate
 
     info = {}
     torch.cuda.synchronize()
-    out = generate(m, ids, max_new_tokens=new, stop_at_eos=False, prefill_chunk=chunk, info=info)
+    out = generate(m, ids, max_new_tokens=new, stop_at_eos=False, prefill_chunk=chunk, info=info, cuda_graph=graph)
     return out[0].tolist(), info["ttft"], info["decode"]
 
 
@@ -63,36 +64,41 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=8192)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
-    ap.add_argument("--pairs", type=int, default=2, help="alternating (transformers, treeattn) runs per dtype")
+    ap.add_argument("--pairs", type=int, default=2, help="alternating rounds (every run once) per dtype")
     ap.add_argument("--chunk", type=int, default=None, help="treeattn prefill_chunk (default: the whole prompt)")
     ap.add_argument("--json")
     a = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}; Llama-3.2-1B-shaped, random weights; prompt {a.prompt}, {a.new} new "
-          f"tokens, greedy; {a.pairs} alternating pairs, the median of each\n")  # fmt: skip
-    print("| dtype | transformers TTFT ms | treeattn TTFT ms | ratio | transformers ms/token | treeattn ms/token | ratio | tokens |")
+          f"tokens, greedy; {a.pairs} alternating rounds, the median of each\n")  # fmt: skip
+    # first step: the first decode step alone (with graphs, it captures)
+    print("| dtype | run | TTFT ms | vs transformers | ms/token | vs transformers | first step ms | tokens |")
     print("|---|---|---|---|---|---|---|---|")
     rows = []
+    runs = {"hf": lambda m, ids, n: hf_loop(m, ids, n), "treeattn": lambda m, ids, n: treeattn_run(m, ids, n, a.chunk),
+            "treeattn, CUDA graphs": lambda m, ids, n: treeattn_run(m, ids, n, a.chunk, graph=True)}  # fmt: skip
     for dname in a.dtypes:
         m = model_1b(getattr(torch, dname))
         ids = torch.randint(0, m.config.vocab_size, (1, a.prompt), generator=torch.Generator().manual_seed(1)).cuda()
         # a warm-up at the timed shapes: Triton compiles a variant per new kernel shape (with a
         # 512-token warm-up the bf16 TTFT median was 3.0 s on 2026-11-27, 0.12 s the day
         # before; a compilation inside the first timed run is the suspect, not confirmed)
-        hf_loop(m, ids, 4)
-        treeattn_run(m, ids, 4, a.chunk)
-        res = {"hf": [], "ta": []}
+        for run in runs.values():
+            run(m, ids, 4)
+        res = {k: [] for k in runs}
         for _ in range(a.pairs):
-            res["hf"].append(hf_loop(m, ids, a.new))
-            res["ta"].append(treeattn_run(m, ids, a.new, a.chunk))
+            for k, run in runs.items():
+                res[k].append(run(m, ids, a.new))
         med = {k: (statistics.median(r[1] for r in v) * 1e3, statistics.median(statistics.median(r[2]) for r in v) * 1e3)
                for k, v in res.items()}  # fmt: skip
-        same = res["hf"][0][0] == res["ta"][0][0]
-        first = next((i for i, (x, y) in enumerate(zip(res["hf"][0][0], res["ta"][0][0], strict=True)) if x != y), None)
-        rows.append(dict(dtype=dname, hf_ttft_ms=med["hf"][0], ta_ttft_ms=med["ta"][0], hf_ms_token=med["hf"][1],
-                         ta_ms_token=med["ta"][1], identical=same, first_difference=first))  # fmt: skip
-        print(f"| {dname} | {med['hf'][0]:.1f} | {med['ta'][0]:.1f} | {med['ta'][0] / med['hf'][0]:.2f} | "
-              f"{med['hf'][1]:.2f} | {med['ta'][1]:.2f} | {med['ta'][1] / med['hf'][1]:.2f} | "
-              f"{'identical' if same else f'differ from token {first}'} |", flush=True)  # fmt: skip
+        first_ms = {k: statistics.median(r[2][0] for r in v) * 1e3 for k, v in res.items()}
+        for k in runs:
+            ref, got = res["hf"][0][0], res[k][0][0]
+            first = next((i for i, (x, y) in enumerate(zip(ref, got, strict=True)) if x != y), None)
+            rows.append(dict(dtype=dname, run=k, ttft_ms=med[k][0], ms_token=med[k][1], ttft_ratio=med[k][0] / med["hf"][0],
+                             ms_token_ratio=med[k][1] / med["hf"][1], first_step_ms=first_ms[k], first_difference=first))  # fmt: skip
+            print(f"| {dname} | {'transformers' if k == 'hf' else k} | {med[k][0]:.1f} | {med[k][0] / med['hf'][0]:.2f} | "
+                  f"{med[k][1]:.2f} | {med[k][1] / med['hf'][1]:.2f} | {first_ms[k]:.1f} | "
+                  f"{'identical' if first is None else f'differ from token {first}'} |", flush=True)  # fmt: skip
         del m
         torch.cuda.empty_cache()
     if a.json:

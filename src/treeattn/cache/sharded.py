@@ -94,6 +94,7 @@ class ShardedKVCache:
         self._step_slots: Tensor | None = None
         self._step_slot: int | None = None  # every sequence's step token here, at this one slot
         self.slot_limit: int | None = None
+        self.version = 0  # bumped whenever the K/V buffers are reallocated (a CUDA graph holds their addresses)
         self._grow(max(capacity, 1))
 
     # -- metadata --------------------------------------------------------------------
@@ -131,6 +132,11 @@ class ShardedKVCache:
         pos = torch.full((self.B, cap), -1, dtype=torch.int64)
         pos[:, : self.cap] = self.positions
         self.positions, self.cap = pos, cap
+        self.version += 1
+
+    def reserve(self, slots: int) -> None:
+        """Capacity for at least ``slots`` slots per sequence (grown as :meth:`place` grows it)."""
+        self._grow(slots)
 
     def _grow_global(self, need: int) -> None:
         if need > self.owner.shape[1]:
@@ -274,6 +280,14 @@ class ShardedKVCache:
             self.k[layer][r, :, s] = k[r, :, 0]
             self.v[layer][r, :, s] = v[r, :, 0]
 
+    def store_at(self, layer: int, k: Tensor, v: Tensor, slot: Tensor) -> None:
+        """Store K/V ``[B, Hkv, 1, D]`` of ``layer`` at the local slot ``slot`` (``[1]`` int64 on the
+        cache's device, the same for every sequence): a store whose slot the host does not pass
+        (a captured decode step, :mod:`treeattn.hf._graph`). The host metadata is
+        :meth:`begin_decode_step`'s."""
+        self.k[layer].index_copy_(2, slot, k)
+        self.v[layer].index_copy_(2, slot, v)
+
     def slots_before(self, bound: Tensor | int) -> Tensor:
         """Per sequence (or per query), how many of this rank's valid slots hold a global
         position ``< bound`` (``bound``: int, ``[B]`` or ``[B, T]`` integer). Local slots are in
@@ -308,6 +322,13 @@ class ShardedKVCache:
         """:meth:`local`'s ``(k, v)`` views alone (no copy of the lengths to the device)."""
         stop = self.used if stop is None else min(stop, self.used)
         return self.k[layer][:, :, :stop], self.v[layer][:, :, :stop]
+
+    def span(self, layer: int, n: int) -> tuple[Tensor, Tensor]:
+        """The first ``n <= cap`` slots of ``layer``'s K/V, valid or not (views): the caller bounds
+        every row by its valid length on the device."""
+        if n > self.cap:
+            raise ValueError(f"span of {n} slots beyond the capacity {self.cap}; reserve() first")
+        return self.k[layer][:, :, :n], self.v[layer][:, :, :n]
 
     def local(self, layer: int, stop: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """``(k, v, kv_lens)``: this rank's shard ``[B, Hkv, used, D]`` (views, no copy) and

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ..cache import ShardedKVCache
 from ..comm.collectives import all_reduce, world
+from . import _graph
 from ._model import cache_kw, lm_logits, prefill_windows
 from .attention import AttnSwitch, StepContext, TreeAttnCache
 
@@ -27,7 +28,7 @@ class Forwards:
     the cache."""
 
     def __init__(self, model: torch.nn.Module, group, *, attention: str, strategy: str, prefill: str,
-                 prefill_chunk: int | None, counters: dict) -> None:  # fmt: skip
+                 prefill_chunk: int | None, counters: dict, cuda_graph: bool = False) -> None:  # fmt: skip
         self.model, self.group = model, group
         self.rank, self.p = world(group)
         self.decoder = model.get_decoder()
@@ -38,9 +39,13 @@ class Forwards:
         self._tc: TreeAttnCache | None = None
         self._switch = AttnSwitch(model)
         self.counters = counters  # the Session's: "forwards" counts the model's forward calls
+        graphs = self.device.type == "cuda"  # elsewhere the same static step, uncaptured
+        self.static = _graph.StaticDecode(self, graphs) if cuda_graph and self.p == 1 else None
 
     def bind(self, cache: ShardedKVCache) -> None:
         self.cache, self._tc = cache, TreeAttnCache(cache)
+        if self.static is not None:
+            self.static = _graph.StaticDecode(self, self.static.graphs)  # the old cache's graphs go
 
     @contextlib.contextmanager
     def treeattn(self):
@@ -109,6 +114,8 @@ class Forwards:
 
     def decode(self, tok: Tensor, hidden_store=None) -> Tensor:
         """One token per sequence ``tok [B]``: placed, stored, then attention over the cache; its logits."""
+        if self.static is not None and _graph.usable(self, hidden_store):
+            return self.static(tok)
         c = self.cache
         pos = c.seq_lens.clone()
         c.begin_decode_step()

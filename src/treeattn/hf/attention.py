@@ -25,6 +25,7 @@ class StepContext:
 
     cache: ShardedKVCache
     mode: str  # "prefill" | "decode" (one token per sequence, stored first) | "step" (tentative tokens, not stored)
+    # | "static" (a decode step whose slot, position and length are on the device: hf._graph)
     attention: str = "tree"  # "tree" | "ring"
     strategy: str = "auto"
     group: dist.ProcessGroup | None = None
@@ -39,11 +40,16 @@ class StepContext:
     depth: Tensor | None = None  # step: [T] depth of each token in the block (0 = hangs off the history)
     masks: dict = field(default_factory=dict)  # step: the block's mask per sliding window
     stash: dict = field(default_factory=dict)  # step: layer -> (k, v) [B, Hkv, T, D] of the block
+    span: int = 0  # static: slots the attention reads (rows bounded by kv_lens)
+    slot: Tensor | None = None  # static: [1] the new token's local slot, on the device
+    pos: Tensor | None = None  # static: [B] the new token's position, on the device (at p = 1, its slot)
 
     def window_start(self, window: int | None) -> Tensor | None:
         """Decode, step: this rank's first visible slot per query under ``window`` (None: no window)."""
         if window is None:
             return None
+        if self.mode == "static":  # p = 1: a slot is its position
+            return (self.pos - (window - 1)).clamp_min(0)
         if window not in self.starts:
             self.starts[window] = self.cache.window_start(window, self.q_pos)
         return self.starts[window]
@@ -158,7 +164,8 @@ def treeattn_attention(
         if n < query.shape[2]:  # placeholder token of a rank that holds no prompt token
             out = torch.cat([out, out.new_zeros(*out.shape[:2], query.shape[2] - n, out.shape[3])], 2)
     else:
-        k, v = ctx.cache.shard(module.layer_idx)
+        c = ctx.cache
+        k, v = c.span(module.layer_idx, ctx.span) if ctx.mode == "static" else c.shard(module.layer_idx)
         kw = dict(kv_lens=ctx.kv_lens, kv_start=ctx.window_start(window), softcap=softcap, group=ctx.group)
         if ctx.mode == "step":  # the block's own tokens: new_k/new_v under the tree mask, counted once
             kw.update(new_k=key, new_v=value, new_mask=ctx.block_mask(window))

@@ -83,6 +83,7 @@ def generate(
     tree_width: int = 1,
     penalty_alpha: float | None = None,
     adaptive_draft: bool = True,
+    cuda_graph: bool = False,
 ) -> Tensor:
     """Generate up to ``max_new_tokens`` tokens per sequence; call on every rank with the same
     arguments. Stops where ``model.generate`` stops: at the EOS ids of the model's generation
@@ -147,6 +148,8 @@ def generate(
             ``top_k`` candidates scored in one step as a depth-1 token tree, ``(1 - alpha) * p -
             alpha * (max cosine similarity of the candidate's last hidden state with every
             earlier token's)`` (see :mod:`treeattn.hf.contrastive`). None or 0: off.
+        cuda_graph: on a CUDA model at p = 1, each plain decode step as a replayed CUDA graph
+            (:class:`treeattn.hf.Session`'s ``cuda_graph``); the same tokens.
 
     Returns:
         ``[B, n]`` int64 new tokens, ``n <= max_new_tokens``, identical on every rank.
@@ -216,7 +219,8 @@ def generate(
     agree(fields, err, group=group, show={"temperature": "float", "attention": dict(enumerate(ATTENTIONS))})
 
     device = input_ids.device
-    session = Session(model, group, placement, attention, strategy, prefill_chunk, block=block, prefill=prefill)
+    session = Session(model, group, placement, attention, strategy, prefill_chunk, block=block, prefill=prefill,
+                      cuda_graph=cuda_graph)  # fmt: skip
     bar = None
     if progress and rank == 0:
         from tqdm.auto import tqdm

@@ -58,6 +58,12 @@ class Session:
             (bounds the activations); None: a whole extend at once.
         max_length: the most tokens a sequence may hold (default and upper bound: the
             model's ``max_position_embeddings``); the cache grows on demand up to it.
+        cuda_graph: on a CUDA model at p = 1, run each one-token :meth:`extend` of a batch
+            whose sequences share one length as a replayed CUDA graph (one per span of the
+            cache, captured at the first step that needs it; :mod:`treeattn.hf._graph`):
+            the same tokens, without the host time of ~900 kernel launches per token. On
+            other devices the same static step runs uncaptured (no gain; the CPU tests run
+            it). Ignored at p > 1.
 
     Raises:
         ValueError: on every rank, when any rank's arguments are invalid or differ, or the
@@ -76,6 +82,7 @@ class Session:
         *,
         block: int | None = None,
         prefill: str = "auto",
+        cuda_graph: bool = False,
     ) -> None:
         self.rank, self.p = world(group)
         limit = agree_settings(model, group, placement=placement, attention=attention, strategy=strategy,
@@ -85,7 +92,7 @@ class Session:
         self.counters = dict(forwards=0, extend_tokens=0, extend_seconds=0.0, steps=0, step_tokens=0,
                              step_seconds=0.0, kept_tokens=0)  # fmt: skip
         self.fw = Forwards(model, group, attention=attention, strategy=strategy, prefill=prefill,
-                           prefill_chunk=prefill_chunk, counters=self.counters)  # fmt: skip
+                           prefill_chunk=prefill_chunk, counters=self.counters, cuda_graph=cuda_graph)  # fmt: skip
         self.dtype, self.device = self.fw.dtype, self.fw.device
         self.cache: ShardedKVCache | None = None
         self.history = History()  # committed ids and lengths, on the host
