@@ -29,11 +29,21 @@ def test_span_of():
 @pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2", "qwen2-swa"])  # full; windows; window + softcaps
 def test_static_step_is_the_eager_step(kind, monkeypatch):
     monkeypatch.setattr(_graph, "QUANTUM", 8)  # many spans and several reallocations in 60 tokens
+    from treeattn.cache import ShardedKVCache
+
+    eager_store = ShardedKVCache.store_decode
+
+    def store(self, *a):  # a replayed graph would keep the host's slot of its capture
+        assert not getattr(self, "_static_probe", False), "a static step stored at a host slot"
+        return eager_store(self, *a)
+
+    monkeypatch.setattr(ShardedKVCache, "store_decode", store)
     m, eager, static = _pair(kind)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, m.config.vocab_size, (2, 21), generator=g)
     for s in (eager, static):
         s.extend(prompt)
+    static.cache._static_probe = True
     versions = set()
     for i in range(40):
         if i == 15:  # back over a span boundary, then on

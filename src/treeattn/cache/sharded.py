@@ -285,8 +285,9 @@ class ShardedKVCache:
         cache's device, the same for every sequence): a store whose slot the host does not pass
         (a captured decode step, :mod:`treeattn.hf._graph`). The host metadata is
         :meth:`begin_decode_step`'s."""
-        self.k[layer].index_copy_(2, slot, k)
-        self.v[layer].index_copy_(2, slot, v)
+        # the slot is read on the device when the kernel runs (a replayed graph reads it anew)
+        self.k[layer].scatter_(2, slot.view(1, 1, 1, 1).expand(k.shape), k)
+        self.v[layer].scatter_(2, slot.view(1, 1, 1, 1).expand(v.shape), v)
 
     def slots_before(self, bound: Tensor | int) -> Tensor:
         """Per sequence (or per query), how many of this rank's valid slots hold a global

@@ -85,6 +85,8 @@ class _Layer(CacheLayerMixin):
             self.owner.sharded.store_prefill(self.idx, key_states[:, :, :n], value_states[:, :, :n], ctx.start)
         elif ctx.mode in ("step", "rows"):  # kept aside: stored by keep() / the batch runner
             ctx.stash[self.idx] = (key_states, value_states)
+        elif ctx.mode == "static":  # at the slot on the device (a replayed graph's host passes nothing)
+            self.owner.sharded.store_at(self.idx, key_states, value_states, ctx.slot)
         else:
             self.owner.sharded.store_decode(self.idx, key_states, value_states)
         return key_states, value_states
