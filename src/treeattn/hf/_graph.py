@@ -10,6 +10,9 @@ new K/V go to the slot read from the device. One graph per span: a step captures
 only when the cache outgrows the span or is reallocated. The host metadata of the step is
 the eager step's (:meth:`ShardedKVCache.begin_decode_step`).
 
+A model whose forward reads a device value on the host (a dynamic RoPE scaling that looks at
+the largest position, say) cannot be captured: the step raises and says so.
+
 ``graphs=False`` runs the same static step eagerly (the tests check it on CPU and on the
 meta device, where any device read raises: a read would break the capture).
 """
@@ -102,7 +105,10 @@ class StaticDecode:
         if not self.graphs:
             return self._forward(span)
         if span not in self.kept:
-            self.kept[span] = self._capture(span)
+            try:
+                self.kept[span] = self._capture(span)
+            except RuntimeError as e:  # e.g. a model whose forward reads the device (dynamic RoPE scaling)
+                raise RuntimeError(f"cuda_graph: the decode step could not be captured ({e}); run without cuda_graph") from e
             if len(self.kept) > KEEP:
                 self.kept.popitem(last=False)
         g, out = self.kept[span]
