@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.treeattn-installed
 
-GPU_TESTS := tests/gpu tests/ops/test_fused_cuda.py tests/ops/test_triton_attn.py tests/ops/test_no_host_sync.py
+GPU_TESTS := tests/gpu tests/ops/test_fused_cuda.py tests/ops/test_triton_attn.py tests/ops/test_no_host_sync.py tests/ops/test_causal_cuda.py
 
 .PHONY: demo test test-gpu lint clean
 

@@ -22,7 +22,7 @@ step() {  # step NAME LIMIT LOG CMD...
     timeout "$limit" "$@" 2>&1 | tee "$out/$log" || rc=1
 }
 step ops "${OPS_TIMEOUT:-300}" ops.log $PY -m pytest -q -rs -p no:cacheprovider tests/ops/test_fused_cuda.py \
-    tests/ops/test_triton_attn.py tests/ops/test_no_host_sync.py -k "${OPS_K:-}"
+    tests/ops/test_triton_attn.py tests/ops/test_no_host_sync.py tests/ops/test_causal_cuda.py -k "${OPS_K:-}"
 step kernel "${KERNEL_TIMEOUT:-240}" kernel.md $PY benchmarks/gpu_kernel.py --json "$out/kernel.json" ${KERNEL_ARGS:-}
 step e2e "${E2E_TIMEOUT:-200}" e2e.md $PY benchmarks/gpu_e2e.py --json "$out/e2e.json"
 # -v: a line per test as it ends (with -q a long first test leaves the log empty until then)

@@ -50,12 +50,18 @@ def hf_loop(m, ids, new: int) -> tuple[list[int], float, list[float]]:
     return toks, ttft, steps
 
 
-def treeattn_run(m, ids, new: int, chunk, graph: bool = False) -> tuple[list[int], float, list[float]]:
+def treeattn_run(m, ids, new: int, chunk, graph: bool = False, flash: bool = False) -> tuple[list[int], float, list[float]]:
     from treeattn.hf import generate
+    from treeattn.ops import causal
+
+    causal.SQUARE_FLASH = flash  # the prompt's square causal block through aten's flash kernel
 
     info = {}
     torch.cuda.synchronize()
-    out = generate(m, ids, max_new_tokens=new, stop_at_eos=False, prefill_chunk=chunk, info=info, cuda_graph=graph)
+    try:
+        out = generate(m, ids, max_new_tokens=new, stop_at_eos=False, prefill_chunk=chunk, info=info, cuda_graph=graph)
+    finally:
+        causal.SQUARE_FLASH = False
     return out[0].tolist(), info["ttft"], info["decode"]
 
 
@@ -66,6 +72,8 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--pairs", type=int, default=2, help="alternating rounds (every run once) per dtype")
     ap.add_argument("--chunk", type=int, default=None, help="treeattn prefill_chunk (default: the whole prompt)")
+    ap.add_argument("--square-flash", action="store_true",
+                    help="one more run: the prompt's causal block through aten's flash kernel (ops.causal.SQUARE_FLASH)")
     ap.add_argument("--json")
     a = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}; Llama-3.2-1B-shaped, random weights; prompt {a.prompt}, {a.new} new "
@@ -76,6 +84,8 @@ def main() -> None:
     rows = []
     runs = {"hf": lambda m, ids, n: hf_loop(m, ids, n), "treeattn": lambda m, ids, n: treeattn_run(m, ids, n, a.chunk),
             "treeattn, CUDA graphs": lambda m, ids, n: treeattn_run(m, ids, n, a.chunk, graph=True)}  # fmt: skip
+    if a.square_flash:
+        runs["treeattn, CUDA graphs, flash prefill"] = lambda m, ids, n: treeattn_run(m, ids, n, a.chunk, True, True)
     for dname in a.dtypes:
         m = model_1b(getattr(torch, dname))
         ids = torch.randint(0, m.config.vocab_size, (1, a.prompt), generator=torch.Generator().manual_seed(1)).cuda()

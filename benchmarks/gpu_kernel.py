@@ -2,7 +2,8 @@
 """The GPU decode kernel table: treeattn's local op against PyTorch SDPA, as % of the HBM
 read floor (K+V bytes / the rate of a 2 GiB ``sum`` on the same GPU), CUDA events, medians.
 In order: host time and CUDA-graph replay of one call, the split-count, kernel-shape and
-multiply-add sweeps (Triton), tree_decode at p = 1 against the local op (``profile``: where
+multiply-add sweeps (Triton), a square causal prefill block (Triton against aten's flash
+kernel and SDPA), tree_decode at p = 1 against the local op (``profile``: where
 the host time of both goes, not in the default sections), then the table; a
 failing cell (out of memory, a compile error) is NaN, the run goes on. ``--sections`` picks.
 
@@ -167,6 +168,35 @@ def profile(a, T) -> None:
         pstats.Stats(pr, stream=sys.stdout).sort_stats("tottime").print_stats(25)
 
 
+def prefill_square(a, rows) -> None:
+    """A square causal block in bf16 (a whole prompt at p = 1, as ``parallel.prefill`` passes it):
+    treeattn's path by default (the Triton kernel, per-row bounds), the same block through aten's
+    flash kernel (``ops.causal.SQUARE_FLASH``, which this decides), and SDPA (``is_causal``,
+    ``enable_gqa``; no lse); 32/8 heads x 64 (the 1B-shaped model of gpu_e2e.py) and x 128."""
+    from treeattn.ops import causal as C
+
+    print("\n| heads x dim | T = S | Triton, per-row bounds ms | aten flash ms | SDPA ms | TFLOP/s: Triton / flash |")
+    print("|---|---|---|---|---|---|")
+    for D in (64, 128):
+        for T in (2048, 8192):
+            q = torch.randn(1, 32, T, D, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(1, 8, T, D, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            end = torch.arange(1, T + 1)
+            t = {}
+            for flag in (False, True):
+                C.SQUARE_FLASH = flag
+                t[flag] = cell(lambda: C.causal_block_states(q, k, v, None, end, None, None, "auto"), a.reps)
+            C.SQUARE_FLASH = False
+            sd = cell(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), a.reps)
+            tf = 2 * 32 * T * T * D / 1e9  # causal: half of 4 T^2 D flops per head
+            rows.append(dict(what="prefill square", D=D, T=T, triton_ms=t[False], flash_ms=t[True], sdpa_ms=sd))
+            print(f"| 32/8 x {D} | {T} | {t[False]:.3f} | {t[True]:.3f} | {sd:.3f} | "
+                  f"{tf / t[False]:.0f} / {tf / t[True]:.0f} |", flush=True)  # fmt: skip
+            q = k = v = None
+            torch.cuda.empty_cache()
+
+
 def fma_sweep(a, rows, T, rate) -> None:
     """tl.dot (rows padded to 16) against multiply-adds over the real rows, per kernel shape."""
     Hq, Hkv, D = a.heads[0], a.heads[1], a.dim
@@ -213,7 +243,7 @@ def main() -> None:
                     default=[(64, 4, 2), (64, 4, 3), (32, 4, 4), (64, 8, 2), (32, 4, 2)])
     ap.add_argument("--fma-configs", type=lambda x: tuple(int(y) for y in x.split(",")), nargs="+",
                     default=[(16, 1, 2), (16, 2, 2), (8, 2, 2), (16, 1, 3), (32, 2, 2)])
-    ap.add_argument("--sections", nargs="+", default=["host", "splits", "configs", "fma", "tree", "table"])
+    ap.add_argument("--sections", nargs="+", default=["host", "splits", "configs", "fma", "prefill", "tree", "table"])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args()
@@ -275,6 +305,8 @@ def main() -> None:
     T.PREFILL_CONFIG.update(saved[1])
     if "fma" in a.sections:
         fma_sweep(a, rows, T, rate)
+    if "prefill" in a.sections:
+        prefill_square(a, rows)
     # tree_decode at p = 1 (NCCL) against the local op
     import torch.distributed as dist
 

@@ -14,6 +14,13 @@ from .attention import _attention, all_finite
 
 __all__ = ["causal_block_states", "causal_square_states"]
 
+# A square causal block in half precision on CUDA through aten's flash kernel (is_causal, grouped
+# K/V heads natively, with the lse) instead of the Triton kernel's per-row bounds. Off until
+# measured: `python benchmarks/gpu_kernel.py --sections prefill` times both. Why it may pay: at
+# an 8,192-token prompt treeattn's bf16 time to first token was 2.2x a transformers forward's
+# (SDPA's flash kernel) on an H200, 2026-11-27, with the same linear layers.
+SQUARE_FLASH = False
+
 
 def causal_block_states(
     q: Tensor,
@@ -33,6 +40,10 @@ def causal_block_states(
     st = prefill_states(q, k, v, start, end, scale, softcap, backend)
     if st is not None:
         return st
+    if SQUARE_FLASH and backend == "auto" and _square_flash(q, k, v, start, end, softcap):
+        s = q.shape[3] ** -0.5 if scale is None else float(scale)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, is_causal=True, scale=s)[:2]
+        return out.float(), lse.float()
     if end is not None and q.device.type == "cuda" and triton_available(q) and (
         backend == "triton" or (backend == "auto" and q.dtype != torch.float32)
     ):
@@ -42,6 +53,16 @@ def causal_block_states(
             kw["kv_start"] = start.to(q.device).expand(B, -1)
         return _attention(q, k, v, scale=scale, softcap=softcap, backend="triton", keep_fp32=True, **kw)
     return None
+
+
+def _square_flash(q: Tensor, k: Tensor, v: Tensor, start, end, softcap) -> bool:
+    """Whether aten's flash kernel takes the block whole: query ``i`` sees keys ``0..i`` of as
+    many keys as queries (a square, where its causal alignment is unambiguous), half precision
+    on CUDA, no window or softcap, head dims it supports. Host checks only."""
+    T, D, Dv = q.shape[2], q.shape[3], v.shape[3]
+    return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and start is None
+            and softcap is None and end is not None and k.shape[2] == T and D == Dv and D % 8 == 0
+            and D <= 256 and q.shape[1] % k.shape[1] == 0 and torch.equal(end, torch.arange(1, T + 1)))  # fmt: skip
 
 
 def causal_square_states(q: Tensor, k: Tensor, v: Tensor, scale, softcap, backend: str) -> tuple[Tensor, Tensor]:
