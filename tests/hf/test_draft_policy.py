@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from treeattn.hf._draft_policy import DraftPolicy, evidence
-from treeattn.hf.speculative import Draft, PromptLookup, _cut
+from treeattn.hf.speculative import Draft, PromptLookup, _cut, _trie
 
 
 def simulate(alpha: float, beta: float, kind, steps: int = 3000, k: int = 5, seed: int = 0,
@@ -100,6 +100,58 @@ def test_lookup_takes_the_match_that_agrees_furthest_back():
     d = PromptLookup().propose(torch.tensor(a + [0] + a), 3, 1)  # the whole text repeats: 7 back, the start
     assert d.tokens == [0, 1, 2] and d.match == 7
     assert PromptLookup().propose(torch.tensor([1, 2, 3]), 2, 1).tokens == []
+
+
+def _scan(history: list[int], k: int, width: int, max_ngram: int = 3, max_context: int = 16):
+    """The lookup as a scan of the whole history (PromptLookup before its index): the oracle."""
+    h = torch.tensor(history, dtype=torch.int64)
+    L = len(h)
+    for n in range(min(max_ngram, L - 1), 0, -1):
+        hits = torch.nonzero((h[: L - 1].unfold(0, n, 1) == h[L - n :]).all(1)).flatten().tolist()
+        ctx = []
+        for i in hits:
+            c = n
+            for m in range(n + 1, max_context + 1):
+                if i - (m - n) < 0 or L - m < 0 or history[i - (m - n)] != history[L - m]:
+                    break
+                c += 1
+            ctx.append(c)
+        conts, match = [], None
+        for m, i in sorted(zip(ctx, hits, strict=True), key=lambda x: -x[0]):
+            c = history[i + n : i + n + k]
+            if c and c not in conts:
+                conts.append(c)
+                match = m if match is None else match
+            if len(conts) == width:
+                break
+        if conts:
+            return conts, match
+    return [], None
+
+
+def test_lookup_index_is_the_scan():
+    """The incremental n-gram index gives the scan's drafts: histories that grow a few tokens at
+    a time, are cut back or replaced (indexed afresh), over small vocabularies (many matches),
+    every width, depth and n-gram limit; tensors and lists alike."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        vocab = 3 + trial % 9
+        lk = PromptLookup(max_ngram=1 + trial % 4, max_context=4 + trial % 14)
+        hist = torch.randint(0, vocab, (int(torch.randint(0, 12, (1,), generator=g)),), generator=g).tolist()
+        for step in range(40):
+            r = int(torch.randint(0, 10, (1,), generator=g))
+            if r == 0:  # cut back (a rewind): indexed afresh
+                hist = hist[: len(hist) // 2]
+            elif r == 1:  # another sequence of the same length
+                hist = torch.randint(0, vocab, (len(hist),), generator=g).tolist()
+            else:
+                hist = hist + torch.randint(0, vocab, (1 + r % 3,), generator=g).tolist()
+            k, width = 1 + step % 6, 1 + step % 3
+            d = lk.propose(hist if step % 2 else torch.tensor(hist, dtype=torch.int64), k, width)
+            conts, match = _scan(hist, k, width, lk.max_ngram, lk.max_context)
+            want = _trie(conts) if conts else Draft()
+            assert (d.tokens, d.parents) == (want.tokens, want.parents), (trial, step, hist)
+            assert (d.match if d.tokens else None) == match
 
 
 def test_evidence_of_long_matches_drafts_and_short_ones_wait():

@@ -123,7 +123,7 @@ class RowDrafts:
         """(the longest draft prompt lookup offers within ``cap``, how far back its match agrees)."""
         if cap < 1 or len(history) < 2:
             return [], 0
-        d = self.lookup.propose(torch.tensor(history, dtype=torch.int64), min(cap, self.k_max), 1)
+        d = self.lookup.propose(history, min(cap, self.k_max), 1)  # a list: its index grows with it
         return d.tokens, d.match
 
     def offer(self, history: list[int], cap: int) -> tuple[int, object]:
