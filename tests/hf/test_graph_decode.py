@@ -104,3 +104,27 @@ def test_static_step_reads_nothing_from_the_device(kind):
     for _ in range(3):
         out = s.extend(torch.zeros(1, 1, dtype=torch.int64), check=False)
     assert out.device.type == "meta" and s.fw.static.calls == 3
+
+
+def test_static_step_up_to_max_length_and_a_new_batch():
+    """Spans stop at what the session may hold (max_length), the limit still raises as before;
+    a session emptied and started on another batch size gets a fresh static step."""
+    m = build_model("tiny-llama", None, torch.float64, 0)[0]
+    eager, static = Session(m, max_length=40), Session(m, max_length=40, cuda_graph=True)
+    ids = torch.randint(0, m.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(6))
+    for s in (eager, static):
+        s.extend(ids)
+    for i in range(10):
+        tok = torch.tensor([[i + 3]])
+        torch.testing.assert_close(static.extend(tok), eager.extend(tok), rtol=1e-12, atol=1e-12)
+    assert len(static) == 40 and static.cache.cap <= 40
+    with pytest.raises(ValueError, match="max_length"):
+        static.extend(torch.tensor([[1]]))
+    first = static.fw.static
+    for s in (eager, static):
+        s.rewind(0)
+        s.extend(torch.cat([ids, ids]))  # B = 2 on an empty session: a new cache
+    assert static.fw.static is not first and static.cache.B == 2
+    tok = torch.tensor([[4], [5]])
+    torch.testing.assert_close(static.extend(tok), eager.extend(tok), rtol=1e-12, atol=1e-12)
+    assert static.fw.static.calls == 1
