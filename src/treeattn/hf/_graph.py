@@ -90,13 +90,11 @@ class StaticDecode:
     def __call__(self, tok: Tensor) -> Tensor:
         """Decode ``tok [B]`` (host or device) after the cache's tokens; ``[B, V]`` logits."""
         fw, c = self.fw, self.fw.cache
-        if c is not self.cache or c.version != self.version or self.ids is None:
-            self._reset()
         pos = int(c.seq_lens[0])  # host metadata; at p = 1 the token's slot
         c.begin_decode_step()
         span = span_of(pos + 1, c.slot_limit)
         c.reserve(span)
-        if c.version != self.version:  # reallocated: every graph read the old buffers
+        if c is not self.cache or c.version != self.version:  # another cache, or reallocated: the graphs read old buffers
             self._reset()
         self.ids.copy_(tok.reshape(c.B, 1), non_blocking=True)
         self.meta.copy_(torch.tensor([pos, pos + 1]), non_blocking=True)

@@ -74,7 +74,7 @@ class PromptLookup:
         self._seen.extend(h[old:])
 
     def propose(self, history: Tensor | list[int], k: int, width: int) -> Draft:
-        h = history.tolist() if isinstance(history, Tensor) else list(history)
+        h = history.tolist() if isinstance(history, Tensor) else history  # read, never changed
         self._index(h)
         L = len(h)
         for n in range(min(self.max_ngram, L - 1), 0, -1):
