@@ -283,10 +283,11 @@ def test_bf16_queries_keep_float32_accuracy(R, D):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_row_groups_head_dims_and_tails(dtype):
     """The 4-row group path (AVX-512 where the CPU has it): head dims over one 128-float
-    register tile and partial tiles, row counts with a remainder row, key ranges that end
-    mid-group and mid-block, rows that differ within a block; float64 reference."""
+    register tile and partial tiles, row counts with a remainder row, with three (run padded
+    to a fourth row of zeros), key ranges that end mid-group and mid-block, rows that differ
+    within a block; float64 reference."""
     S = 1000
-    for D, R in [(32, 4), (96, 5), (160, 8), (256, 4), (192, 6)]:
+    for D, R in [(32, 4), (96, 5), (160, 8), (256, 4), (192, 6), (64, 7), (96, 11)]:
         g = torch.Generator().manual_seed(D + R)
         qg = torch.randn(3, 2, R, D, generator=g).to(dtype)
         k = torch.randn(3, 2, S, D, generator=g).to(dtype)

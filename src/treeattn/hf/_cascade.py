@@ -2,16 +2,19 @@
 
 A step runs the new tokens of several *lines* as one flat sequence of ``N`` tokens (one
 forward: the weights are read once). Line ``i`` is the next ``T_i`` tokens of one running
-row: one token for a decoding request, a chunk of a joining request's prompt. Each token
-reads the first ``keep`` tokens of its row's shared prefix (a
+row: one token for a decoding request, a token and its draft to verify, a chunk of a joining
+request's prompt. Each token reads the first ``keep`` tokens of its row's shared prefix (a
 :class:`~treeattn.cache.ShardedKVCache` of one sequence), the row's own earlier tokens (a
 :class:`~treeattn.cache.RowCache`), and the earlier tokens of its line (causal). The tokens
 that read the same prefix attend to it together, whatever their ``keep``: the prefix is cut
 at their distinct keeps into segments, and each segment is one pass over its keys for all
 the tokens that read it (their queries folded into one block), so each rank reads its shard
 of the prefix once per step whatever the number of lines. Tree: the local prefix and row
-states are merged on each rank and cross the ranks in one reduction (the merge is associative: seed paper, §4); the lines' own tokens,
-identical on every rank, are merged after it. Ring: each part's K/V goes round the ring.
+states are merged on each rank and cross the ranks in one reduction (the merge is
+associative: seed paper, §4). A short line's tokens are stored on their owners first and
+attended there as the row's keys (each query bounded by its position); a long chunk's own
+tokens, identical on every rank, are merged after the reduction. Ring: each part's K/V goes
+round the ring, a line's own tokens merged after it.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ class Shape:
     T: int
     rows: list[int]
     idx: Tensor  # [n, T] host
-    placed: tuple | None = None  # T = 1: (rows, slots, flat indices) of this rank's new tokens, stored first
+    placed: tuple | None = None  # (rows, slots, flat indices) of this rank's new tokens, stored first
     dev: dict = field(default_factory=dict)
 
 
@@ -88,6 +91,8 @@ class RowsStep:
         for s in self.shapes:
             s.dev.update(rows=_sel(torch.tensor(s.rows, dtype=torch.int64), dev), idx=s.idx.to(dev),
                          lens=self.rows.kv_len[s.rows].to(dev), sel=_sel(s.idx.reshape(-1), dev))  # fmt: skip
+            if s.placed is not None and s.T > 1:  # causal: query j sees its row's slots up to its own position
+                s.dev["end"] = self.rows.slots_before(s.rows, self.q_pos[s.idx] + 1).to(dev)
         for g in self.groups:
             g.ends = g.cache.slots_before(torch.tensor([g.keeps]))[0].tolist()
             g.sels = [_sel(g.tokens[f:], dev) for f in g.first]
@@ -118,7 +123,7 @@ class RowsStep:
         kw = dict(group=self.group, scale=scale, softcap=softcap, return_lse=True, check=False)
         for s, st in zip(self.shapes, s_starts, strict=True):
             qs, sel = _lines(q, s), s.dev["sel"]
-            if s.placed is not None:  # one new token per line: stored on its owner first, then attended there
+            if s.placed is not None:  # the lines' tokens: stored on their owners first, then attended there
                 rid, slots, flat = s.placed
                 self.rows.store(layer, rid, slots, k[0, :, flat].transpose(0, 1), v[0, :, flat].transpose(0, 1))
             ks, vs = self.rows.local(layer, s.dev["rows"])
@@ -127,7 +132,7 @@ class RowsStep:
                 o, l_ = ring_decode(qs, ks, vs, kv_lens=s.dev["lens"], kv_start=st, window=window, **new, **kw)
                 o = o.to(acc)
             else:
-                o, l_ = row_state(qs, ks, vs, s.dev["lens"], st, scale, softcap)
+                o, l_ = row_state(qs, ks, vs, s.dev["lens"], st, scale, softcap, s.dev.get("end"))
             out[0, :, sel], lse[0, :, sel] = _flat(o), _flat(l_)
         for g, st in zip(self.groups, g_starts, strict=True):
             for j, a, b in g.segments():  # every rank the same segments (ring: the same calls)
@@ -153,9 +158,12 @@ class RowsStep:
         return out.to(q.dtype)
 
 
-def row_state(q: Tensor, k: Tensor, v: Tensor, lens: Tensor, start, scale, softcap) -> tuple[Tensor, Tensor]:
-    """This rank's state of lines ``q [n, Hq, T, D]`` over their rows' own earlier tokens."""
-    return _attention(q, k, v, scale=scale, kv_lens=lens, kv_start=start, softcap=softcap, keep_fp32=True)
+def row_state(q: Tensor, k: Tensor, v: Tensor, lens: Tensor, start, scale, softcap,
+              end: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """This rank's state of lines ``q [n, Hq, T, D]`` over their rows' own tokens on this rank
+    (``end [n, T]``: query j's slots end there)."""
+    return _attention(q, k, v, scale=scale, kv_lens=lens, kv_start=start, kv_end=end, softcap=softcap,
+                      keep_fp32=True)  # fmt: skip
 
 
 def prefix_state(q: Tensor, g: PrefixGroup, layer: int, start, scale, softcap, a: int, b: int) -> tuple[Tensor, Tensor]:

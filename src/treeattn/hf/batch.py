@@ -27,6 +27,13 @@ from ._cascade import PrefixGroup, RowsStep, Shape
 from .attention import AttnSwitch, TreeAttnCache
 from .session import Session
 
+# Lines of at most this many tokens (decode steps, drafts to verify, short chunks) are placed
+# before the forward: each token is stored on its owner and attended there with the row's
+# other keys, causally, and crosses the ranks in the step's one reduction. Longer chunks are
+# stored after it, their own tokens attended by every rank as one causal block (one matmul,
+# not a bound per query over the row's keys).
+PLACED_MAX = 16
+
 
 def _group(cache, by_keep: dict[int, list[int]]) -> PrefixGroup:
     """The tokens reading ``cache``, ``keep -> flat token indices``, as one group."""
@@ -156,11 +163,12 @@ class BatchRunner:
             last.append(len(ids) - 1)
         pos = torch.tensor(pos, dtype=torch.int64)
         shapes = [Shape(T, rs, torch.tensor(ix, dtype=torch.int64)) for T, (rs, ix) in by_T.items()]
-        for s in shapes:  # single new tokens go to their owners before the forward (attended there)
-            if s.T == 1:
-                i, _, slots = self.rows.place(s.rows, 1)
+        tree = self.kw.get("attention", "tree") != "ring"
+        for s in shapes:  # short lines go to their owners before the forward (attended there)
+            if s.T == 1 or (tree and s.T <= PLACED_MAX):
+                i, j, slots = self.rows.place(s.rows, s.T)
                 rid = torch.tensor(s.rows, dtype=torch.int64)[i]
-                s.placed = (rid.to(self.device), slots.to(self.device), s.idx[i, 0].to(self.device))
+                s.placed = (rid.to(self.device), slots.to(self.device), s.idx[i, j].to(self.device))
         reads: dict[int, dict[int, list[int]]] = {}  # prefix -> keep -> the tokens reading that much of it
         for (r, t), x in zip(lines, last, strict=True):
             if self.row_prefix[r] is not None:
