@@ -264,7 +264,7 @@ def speculate_runs(a, gguf: str, doc: str) -> None:
     health = {label: s.health() for label, s in servers.items()}
     for s in servers.values():
         s.close()
-    print(f"\n{a.doc}, p={a.nproc}, 4 clients, 4 quoting questions, {a.quote_tokens} new tokens at most, greedy, "
+    print(f"\n{a.doc}{' (unwrapped)' if a.unwrap else ''}, p={a.nproc}, 4 clients, 4 quoting questions, {a.quote_tokens} new tokens at most, greedy, "
           f"--max-batch 8, {a.rounds} rounds taking turns\n")  # fmt: skip
     print("| server | tokens/s per round | median | answers same as alone | mean tokens per decode row-step | "
           "drafted tokens accepted / offered |")  # fmt: skip
@@ -370,9 +370,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="turns of each server, in the serve and speculation parts")
     ap.add_argument("--block", type=int, help="the servers' (and the breakdown's) placement block (default: auto)")
     ap.add_argument("--only", choices=["serve", "breakdown", "speculate"], help="run one part")
+    ap.add_argument("--unwrap", action="store_true",
+                    help="join each paragraph's hard-wrapped lines into one (text as a web page or a PDF gives it): "
+                         "SmolLM2-135M then quotes the document verbatim; over the wrapped GPL-3 it wraps its quotes "
+                         "at other places, which prompt lookup cannot draft")  # fmt: skip
     a = ap.parse_args()
     gguf = smollm2_gguf()
     doc = Path(a.doc).read_text()
+    if a.unwrap:
+        doc = re.sub(r"(?<=\S)\n(?=\S)", " ", doc)
     if a.only in (None, "serve"):
         serve_runs(a, str(gguf), doc)
     if a.only in (None, "speculate"):
