@@ -67,6 +67,8 @@ DECODE = [  # (window, softcap, dtype, (Hq, Hkv), Tq)
     (1, 5.0, torch.bfloat16, (4, 4), 1),
     (20, None, torch.float16, (6, 2), 3),
     (5, 3.0, torch.float32, (4, 2), 3),
+    (2, None, torch.float32, (4, 2), 5),  # windows shorter than the new tokens: they cut into them
+    (3, 4.0, torch.bfloat16, (6, 3), 6),
     (1000, 2.0, torch.float32, (4, 2), 1),  # the window covers everything
 ]
 
