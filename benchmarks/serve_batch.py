@@ -35,7 +35,7 @@ import threading
 import time
 from pathlib import Path
 
-from _fixture import smollm2_gguf  # benchmarks/_fixture.py, beside this script
+from _fixture import UNWRAP_HELP, document, smollm2_gguf  # benchmarks/_fixture.py, beside this script
 
 QUESTIONS = (
     "\n\nIn one sentence: does this license come with a warranty?",
@@ -370,15 +370,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="turns of each server, in the serve and speculation parts")
     ap.add_argument("--block", type=int, help="the servers' (and the breakdown's) placement block (default: auto)")
     ap.add_argument("--only", choices=["serve", "breakdown", "speculate"], help="run one part")
-    ap.add_argument("--unwrap", action="store_true",
-                    help="join each paragraph's hard-wrapped lines into one (text as a web page or a PDF gives it): "
-                         "SmolLM2-135M then quotes the document verbatim; over the wrapped GPL-3 it wraps its quotes "
-                         "at other places, which prompt lookup cannot draft")  # fmt: skip
+    ap.add_argument("--unwrap", action="store_true", help=UNWRAP_HELP)
     a = ap.parse_args()
     gguf = smollm2_gguf()
-    doc = Path(a.doc).read_text()
-    if a.unwrap:
-        doc = re.sub(r"(?<=\S)\n(?=\S)", " ", doc)
+    doc = document(a.doc, a.unwrap)
     if a.only in (None, "serve"):
         serve_runs(a, str(gguf), doc)
     if a.only in (None, "speculate"):

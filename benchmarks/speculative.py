@@ -14,9 +14,8 @@ depth. The draft model being the target itself, adaptive drafting finds it too s
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from _fixture import smollm2_gguf  # benchmarks/_fixture.py, beside this script
+from _fixture import UNWRAP_HELP, document, smollm2_gguf  # benchmarks/_fixture.py, beside this script
 
 QUESTIONS = {  # an answer that quotes the document, and one that does not
     "quote": "\n\nQuote, word for word, the paragraph of this license that is titled "
@@ -155,6 +154,7 @@ def breakdown_worker(model_dir, ids, new, rounds):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--doc", default="/usr/share/common-licenses/GPL-3", help="the document (a text file)")
+    ap.add_argument("--unwrap", action="store_true", help=UNWRAP_HELP)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--k", type=int, default=5, help="draft tokens per branch")
@@ -176,7 +176,7 @@ def main() -> None:
 
     d = resolve_model(str(gguf_path))
     tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
-    ids = chat_ids(tok, Path(a.doc).read_text() + QUESTIONS[a.question])
+    ids = chat_ids(tok, document(a.doc, a.unwrap) + QUESTIONS[a.question])
     k = a.k
     pl, dm = dict(speculate="prompt-lookup", num_draft_tokens=k), dict(speculate="draft", num_draft_tokens=k)
     variants = [
