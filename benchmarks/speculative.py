@@ -17,9 +17,12 @@ import argparse
 
 from _fixture import UNWRAP_HELP, document, smollm2_gguf  # benchmarks/_fixture.py, beside this script
 
-QUESTIONS = {  # an answer that quotes the document, and one that does not
+QUESTIONS = {  # answers that quote the document, and one that does not
     "quote": "\n\nQuote, word for word, the paragraph of this license that is titled "
     '"Disclaimer of Warranty", starting with "THERE IS NO WARRANTY".',
+    # SmolLM2-135M copies the paragraph nearest the question verbatim over the --unwrap text
+    # (and re-wraps it over the wrapped one)
+    "copy": "\n\nCopy the last paragraph above exactly.",
     "explain": "\n\nIn your own words, without quoting it: why would a company avoid using this license?",
 }
 

@@ -226,8 +226,12 @@ def test_auto_picks_decode_cpu_for_decode_shapes():
 
     q, k, v = make(1, 3, 3, 16, 10, 64, torch.float32)  # 48 rows per KV head: a batched step of 16 rows
     assert _pick_backend(q, k, v) == ("decode_cpu" if "avx512" in kernel_features() else "flash_cpu")
-    q, k, v = make(1, 3, 3, 17, 10, 64, torch.float32)  # 51
+    q, k, v = make(1, 3, 3, 17, 10, 64, torch.float32)  # 51, with bounds of their own
     assert _pick_backend(q, k, v) == "flash_cpu"
+    q, k, v = make(1, 3, 3, 256, 10, 64, torch.float32)  # 768 seeing every key: a 256-token chunk reading a prefix
+    assert _pick_backend(q, k, v, plain=True) == ("decode_cpu" if "avx512" in kernel_features() else "flash_cpu")
+    q, k, v = make(1, 3, 3, 257, 10, 64, torch.float32)  # 771: past the widest measured
+    assert _pick_backend(q, k, v, plain=True) == "flash_cpu"
 
 
 def test_dense_mask_not_taken():

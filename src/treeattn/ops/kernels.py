@@ -142,6 +142,7 @@ def resolve(name: str, call: Call) -> str:
 # see pick): past these flash_cpu's GEMM blocking wins.
 _DECODE_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 16, torch.float16: 128}
 _DECODE_MAX_ROWS_F32_AVX512 = 48  # float32 when the kernel has its AVX-512 row groups
+_DECODE_MAX_ROWS_F32_AVX512_PLAIN = 768  # the same, every row seeing every key (measured up to 768)
 # bfloat16 when the kernel has AVX512-BF16 dot products (bf16 q and K/V, D = Dv, D % 32 == 0)
 _DECODE_MAX_ROWS_BF16DP = 128
 
@@ -170,8 +171,17 @@ def pick(q: Tensor, k: Tensor, v: Tensor, *, plain: bool = False, causal_rows: b
     #     Hkv=3 D=64 G=3 S=3861 (SmolLM2's shard): rows 18 1.35, 24 1.25, 33 1.20, 48 1.06,
     #       66 0.99, 96 0.90
     #     Hkv=8 D=128 G=4 S=16k: rows 8 2.33, 16 1.61, 24 1.35, 32 1.13, 64 1.13
-    #   so fp32 takes decode_cpu up to 48 rows with AVX-512 (a batched step's 8 rows x 3 query
+    #   so fp32 took decode_cpu up to 48 rows with AVX-512 (a batched step's 8 rows x 3 query
     #   heads); AVX2 alone keeps 16 (the Zen 1 sweep below: 0.70-0.73 at 32 rows).
+    #   2026-11-28, the same VM and method (20 / 4 layers cycled), after the 3-tail-row padding:
+    #     Hkv=3 D=64 G=3 S=3861: rows 48 1.43, 96 1.29, 192 1.22, 384 1.21, 768 1.15 (S=7700:
+    #       48 1.49, 96 1.37, 144 1.36)
+    #     Hkv=8 D=128 G=4 S=4096: rows 48 1.40, 96 1.43, 192 1.34, 384 1.33, 768 1.20
+    #   and inside the batched server's step (4 rows verifying 5-token drafts, 60 rows, p = 1)
+    #   the shared-prefix attention took 151.5 ms through flash_cpu where decode_cpu's rate
+    #   gives ~106: fp32 with AVX-512 now takes decode_cpu up to 768 rows, the widest measured,
+    #   where every row sees every key (``plain``); rows with bounds of their own (a prefill's
+    #   causal rows) keep 48.
     #   AVX2-only Zen 1 EPYC (2026-11-24, loadavg ~1, two sweeps; bf16 with the register tiles,
     #   1 row before row1_eo, which is 1.2x faster again):
     #   fp32   1.80-1.83  2.05-2.08  1.33-1.39  0.93-0.99  0.70-0.73  0.71  0.71-0.73
@@ -185,7 +195,7 @@ def pick(q: Tensor, k: Tensor, v: Tensor, *, plain: bool = False, causal_rows: b
         limit = _DECODE_MAX_ROWS.get(q.dtype, 0)
         wider = None  # (the kernel feature, the limit with it)
         if q.dtype == torch.float32:
-            wider = ("avx512", _DECODE_MAX_ROWS_F32_AVX512)
+            wider = ("avx512", _DECODE_MAX_ROWS_F32_AVX512_PLAIN if plain else _DECODE_MAX_ROWS_F32_AVX512)
         elif q.dtype == k.dtype == torch.bfloat16 and q.shape[3] % 32 == 0 and v.shape[3] == q.shape[3]:
             wider = ("avx512bf16", _DECODE_MAX_ROWS_BF16DP)
         if wider is not None and limit < rows <= wider[1]:
