@@ -177,6 +177,8 @@ def pick(q: Tensor, k: Tensor, v: Tensor, *, plain: bool = False, causal_rows: b
     #     Hkv=3 D=64 G=3 S=3861: rows 48 1.43, 96 1.29, 192 1.22, 384 1.21, 768 1.15 (S=7700:
     #       48 1.49, 96 1.37, 144 1.36)
     #     Hkv=8 D=128 G=4 S=4096: rows 48 1.40, 96 1.43, 192 1.34, 384 1.33, 768 1.20
+    #     short prefixes: Hkv=3 S=256 rows 96 1.18, 768 1.03; S=1024 96 1.26, 768 1.12;
+    #       Hkv=8 D=128 S=512 96 1.39, 768 1.13
     #   and inside the batched server's step (4 rows verifying 5-token drafts, 60 rows, p = 1)
     #   the shared-prefix attention took 151.5 ms through flash_cpu where decode_cpu's rate
     #   gives ~106: fp32 with AVX-512 now takes decode_cpu up to 768 rows, the widest measured,
