@@ -349,7 +349,8 @@ def breakdown_worker(model_dir: str, prompts: list[list[int]], steps: int, block
                 have = [int(r.rows.n[i]) for i in range(len(lay))]
                 on[0] = True
                 t0 = time.perf_counter()
-                logits = r.run([(i, [x] * T) for i, (x, T) in enumerate(zip(last, lay))], [i for i, T in enumerate(lay) if T > 1])
+                lines = [(i, [last[i]] * T) for i, T in enumerate(lay)]
+                logits = r.run(lines, [i for i, T in enumerate(lay) if T > 1])
                 t += time.perf_counter() - t0
                 on[0] = False
                 if max(lay) > 1:

@@ -110,7 +110,7 @@ class Forwards:
                 rows, cols = torch.nonzero(q_pos[rank][None, :] == (L0 + lens - 1)[:, None], as_tuple=True)
                 last[rows.to(self.device)] = hidden[rows.to(self.device), cols.to(self.device)].to(last.dtype)
         last = all_reduce(last, dist.ReduceOp.SUM, self.group)
-        return lm_logits(self.model, last.to(self.dtype))
+        return lm_logits(self.model, last.to(self.dtype), self.group, split=True)
 
     def decode(self, tok: Tensor, hidden_store=None) -> Tensor:
         """One token per sequence ``tok [B]``: placed, stored, then attention over the cache; its logits."""
@@ -123,7 +123,7 @@ class Forwards:
         hidden = self._run(ctx, tok[:, None], pos[:, None])[:, -1]
         if hidden_store is not None:
             hidden_store.store(c._step_rows, c._step_slots, hidden[c._step_rows])
-        return lm_logits(self.model, hidden)
+        return lm_logits(self.model, hidden, self.group, split=True)
 
     def step(self, tokens: Tensor, tree: tuple[list[int], Tensor, Tensor], committed: Tensor) -> tuple:
         """Tentative ``tokens [B, T]`` in the token tree ``tree`` (:func:`~treeattn.hf._model.tree_of`)
@@ -134,4 +134,4 @@ class Forwards:
         ctx = StepContext(c, "step", self.attention, self.strategy, self.group, kv_lens=c.lens_on_device(),
                           q_pos=q_pos, tree=sees, depth=depth)  # fmt: skip
         hidden = self._run(ctx, tokens, q_pos)
-        return lm_logits(self.model, hidden), hidden, ctx.stash
+        return lm_logits(self.model, hidden, self.group, split=True), hidden, ctx.stash

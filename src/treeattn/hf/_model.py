@@ -12,14 +12,18 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ._head import split_head
 from .families import unsupported_reason
 
 
-def lm_logits(model: torch.nn.Module, hidden: Tensor) -> Tensor:
+def lm_logits(model: torch.nn.Module, hidden: Tensor, group=None, split: bool = False) -> Tensor:
     """float32 logits (float64 for a float64 model) of the LM head for hidden states
     ``[..., hidden]`` (the model's own final-logit softcapping, e.g. Gemma-2, applied as its
-    ``forward`` does)."""
-    logits = model.get_output_embeddings()(hidden)
+    ``forward`` does). ``split``: every rank of ``group`` holds the same ``hidden`` and calls
+    this alike; on CPUs each computes a slice of the vocabulary (:mod:`treeattn.hf._head`)."""
+    logits = split_head(model, hidden, group) if split else None
+    if logits is None:
+        logits = model.get_output_embeddings()(hidden)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     cap = getattr(model.config, "final_logit_softcapping", None)
     if cap:

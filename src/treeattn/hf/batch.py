@@ -193,7 +193,8 @@ class BatchRunner:
             self.row_ids[r].extend(t)
         back = torch.tensor(order).argsort().tolist()  # the callers' order
         want = [range(last[i] - len(lines[i][1]) + 1, last[i] + 1) if lines[i][0] in full else [last[i]] for i in back]
-        return S.lm_logits(self.model, hidden[0, torch.tensor([x for w in want for x in w]).to(self.device)])
+        return S.lm_logits(self.model, hidden[0, torch.tensor([x for w in want for x in w]).to(self.device)], self.group,
+                           split=True)  # fmt: skip
 
     def _key(self, row: int) -> tuple[int, int]:
         pid = self.row_prefix[row]
