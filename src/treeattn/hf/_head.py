@@ -38,7 +38,7 @@ def _local(head: nn.Linear, x: Tensor, lo: int, hi: int) -> Tensor | None:
     if packed is None:
         return F.linear(x, head.weight[lo:hi], bias)
     wp, _, _, own = packed
-    if not own or torch.is_grad_enabled():  # oneDNN's opaque layout cannot be sliced
+    if not own:  # oneDNN's opaque layout cannot be sliced
         return None
     from ..ops.linear_cpu import packed_linear
 
@@ -50,11 +50,12 @@ def _local(head: nn.Linear, x: Tensor, lo: int, hi: int) -> Tensor | None:
 def split_head(model: nn.Module, hidden: Tensor, group) -> Tensor | None:
     """The output head of ``model`` over ``hidden [..., D]`` computed a vocabulary slice per rank
     of ``group`` and all-gathered (collective: every rank calls it alike); None where it does not
-    apply (one rank, not on the CPU, a head that is not an ``nn.Linear`` or cannot be sliced)."""
+    apply (one rank, not on the CPU, autograd recording, a head that is not an ``nn.Linear`` or
+    cannot be sliced)."""
     rank, p = world(group)
     head = model.get_output_embeddings()
-    if p == 1 or hidden.device.type != "cpu" or type(head) is not nn.Linear:
-        return None
+    if p == 1 or hidden.device.type != "cpu" or type(head) is not nn.Linear or torch.is_grad_enabled():
+        return None  # (the all-gather has no backward)
     V, D = head.out_features, head.in_features
     lo, hi, per = _slice(V, rank, p)
     x = hidden.reshape(-1, D)
