@@ -65,7 +65,8 @@ def split_head(model: nn.Module, hidden: Tensor, group) -> Tensor | None:
     out = torch.empty(p, x.shape[0], per, dtype=part.dtype)
     step = max(1, SMALL // max(1, per * part.element_size()))  # rows per gather: each through shared memory
     for a in range(0, x.shape[0], step):
-        mine = part.new_zeros(min(step, x.shape[0] - a), per)
-        mine[:, : hi - lo] = part[a : a + step]
-        out[:, a : a + step] = all_gather(mine, group)
+        mine = part[a : a + step]
+        if hi - lo < per:  # the last slice, padded to the others' width
+            mine = torch.cat([mine, mine.new_zeros(mine.shape[0], per - (hi - lo))], 1)
+        out[:, a : a + step] = all_gather(mine.contiguous(), group)
     return out.permute(1, 0, 2).reshape(*hidden.shape[:-1], p * per)[..., :V]

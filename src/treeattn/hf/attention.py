@@ -56,8 +56,8 @@ class StepContext:
 
     def chain(self) -> bool:
         """Step: the block is a chain (token i at depth i: each sees the tokens before it)."""
-        if "chain" not in self.masks:
-            self.masks["chain"] = bool(torch.equal(self.depth.cpu(), torch.arange(len(self.depth))))
+        if "chain" not in self.masks:  # depth is host metadata (hf._model.tree_of)
+            self.masks["chain"] = bool(torch.equal(self.depth, torch.arange(len(self.depth))))
         return self.masks["chain"]
 
     def block_mask(self, window: int | None) -> Tensor:
@@ -175,8 +175,10 @@ def treeattn_attention(
         c = ctx.cache
         k, v = c.span(module.layer_idx, ctx.span) if ctx.mode == "static" else c.shard(module.layer_idx)
         kw = dict(kv_lens=ctx.kv_lens, kv_start=ctx.window_start(window), softcap=softcap, group=ctx.group)
-        if ctx.mode == "step":  # the block's own tokens: new_k/new_v under the tree mask (a chain's: causal)
-            kw.update(new_k=key, new_v=value, new_mask=None if ctx.chain() else ctx.block_mask(window), window=window)
+        if ctx.mode == "step":  # the block's own tokens: new_k/new_v under the tree mask; a chain on the
+            # CPU: causal bounds in the compiled kernel (elsewhere the step's cached mask, built once)
+            chain = query.device.type == "cpu" and ctx.chain()
+            kw.update(new_k=key, new_v=value, new_mask=None if chain else ctx.block_mask(window), window=window)
         if ctx.attention == "ring":
             out = ring_decode(query, k, v, scale=scaling, check=False, **kw)
         else:
