@@ -78,7 +78,7 @@ def worker(model_dir, ids, new, variants, repeat=1):
                 print(f"- {name} ({at}): {statistics.median(xs):.3f}x ({min(xs):.3f}-{max(xs):.3f})")
 
 
-def breakdown_worker(model_dir, ids, new, rounds):
+def breakdown_worker(model_dir, ids, new, rounds, blocks=(None,)):
     """Where a plain Tree decoding step's time goes on each rank: the model's linear layers
     (every rank reads all weights), local attention over the shard, the reduction across ranks
     (collective time, waiting for the slower rank included), and the rest (norms, rotary,
@@ -131,7 +131,7 @@ def breakdown_worker(model_dir, ids, new, rounds):
 
     rows = []
     for r in range(rounds):
-        for linear in ("torch", "packed"):
+        for linear, block in ((x, b) for x in ("torch", "packed") for b in blocks):
             if linear == "packed":
                 hl.pack_linears(model)
             else:
@@ -139,19 +139,21 @@ def breakdown_worker(model_dir, ids, new, rounds):
             for k in acc:
                 acc[k] = 0.0
             info = {}
-            generate(model, ids, max_new_tokens=new, stop_at_eos=False, info=info, streamer=Streamer())
+            generate(model, ids, max_new_tokens=new, stop_at_eos=False, info=info, streamer=Streamer(), block=block)
             steps = len(info["decode"])
             t = torch.tensor([sum(info["decode"]), acc["linear"], acc["attention"], acc["reduction"]]) / steps * 1e3
             allt = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
             dist.all_gather(allt, t)
-            rows += [(linear, r + 1, rank, x.tolist()) for rank, x in enumerate(allt)]
+            rows += [(linear, block or "auto", r + 1, rank, x.tolist()) for rank, x in enumerate(allt)]
     if dist.get_rank() == 0:
         print(f"\nkernels: {kernel_info()}")
         print(f"\nwhere a plain Tree decoding step goes (ms per token, mean over {steps} steps):\n")
-        print("| linears | round | rank | step | linear layers (weights) | local attention | reduction (incl. wait) | rest |")
-        print("|---|---|---|---|---|---|---|---|")
-        for linear, r, rank, (tot, li, at, red) in rows:
-            print(f"| {linear} | {r} | {rank} | {tot:.1f} | {li:.1f} | {at:.1f} | {red:.1f} | {tot - li - at - red:.1f} |")
+        print("| linears | block | round | rank | step | linear layers (weights) | local attention | reduction (incl. wait) "
+              "| rest |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|")
+        for linear, b, r, rank, (tot, li, at, red) in rows:
+            print(f"| {linear} | {b} | {r} | {rank} | {tot:.1f} | {li:.1f} | {at:.1f} | {red:.1f} | "
+                  f"{tot - li - at - red:.1f} |")  # fmt: skip
 
 
 def main() -> None:
@@ -164,6 +166,8 @@ def main() -> None:
     ap.add_argument("--ring", action="store_true", help="also plain and prompt lookup with Ring attention")
     ap.add_argument("--breakdown", action="store_true", help="only: where a plain step's time goes per rank")
     ap.add_argument("--rounds", type=int, default=2, help="--breakdown: rounds of nn.Linear then packed linears")
+    ap.add_argument("--blocks", type=int, nargs="+", help="--breakdown: placement blocks to compare in every round "
+                    "(default: the Session's, by the prompt's length)")  # fmt: skip
     ap.add_argument("--question", choices=list(QUESTIONS), default="quote",
                     help="quote: an answer that quotes the document (default); explain: one that does not")  # fmt: skip
     ap.add_argument("--fixed", action="store_true", help="also every drafter at a fixed draft depth")
@@ -201,7 +205,7 @@ def main() -> None:
     if a.only:
         variants = [v for v in variants if v[0] == "plain" or any(v[0].startswith(o) for o in a.only)]
     if a.breakdown:
-        launch(breakdown_worker, a.nproc, (str(d), ids, 32, a.rounds), timeout=7200)
+        launch(breakdown_worker, a.nproc, (str(d), ids, 32, a.rounds, a.blocks or (None,)), timeout=7200)
     else:
         launch(worker, a.nproc, (str(d), ids, a.max_new_tokens, variants, a.repeat), timeout=7200)
 

@@ -291,7 +291,7 @@ def test_row_groups_head_dims_and_tails(dtype):
     to a fourth row of zeros), key ranges that end mid-group and mid-block, rows that differ
     within a block; float64 reference."""
     S = 1000
-    for D, R in [(32, 4), (96, 5), (160, 8), (256, 4), (192, 6), (64, 7), (96, 11)]:
+    for D, R in [(32, 4), (96, 5), (160, 8), (256, 4), (192, 6), (64, 7), (96, 11), (64, 3)]:
         g = torch.Generator().manual_seed(D + R)
         qg = torch.randn(3, 2, R, D, generator=g).to(dtype)
         k = torch.randn(3, 2, S, D, generator=g).to(dtype)
