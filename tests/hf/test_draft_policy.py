@@ -171,3 +171,35 @@ def test_evidence_of_long_matches_drafts_and_short_ones_wait():
     for _ in range(20):
         pol.observe_step(2, 0.15)  # wide steps turn out costly
     assert pol.depth(6, 5) == 0
+
+
+def test_a_drafted_steps_cost_includes_committing_it(monkeypatch):
+    """The policy's cost of a drafted step is the step and its :meth:`Session.keep` (the kept
+    tokens' K/V stored into the cache), not the forward alone: a keep slowed by 50 ms shows."""
+    from treeattn.hf import Session
+    from treeattn.hf.presets import build_model
+    from treeattn.hf.sampler import Sampler
+    from treeattn.hf.speculative import Speculator
+
+    m = build_model("tiny-llama", None, torch.float64, seed=0)[0]
+    s = Session(m)
+    base = torch.randint(0, m.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    s.extend(torch.cat([base, base], 1))  # prompt lookup matches 12 tokens back from here on
+    sp = Speculator(PromptLookup(), 3, 1, Sampler(), adaptive=True)
+    seen = []
+    real_observe = sp.policy.observe_step
+    monkeypatch.setattr(sp.policy, "observe_step", lambda T, sec: (seen.append((T, sec)), real_observe(T, sec)))
+    real_keep = s.keep
+
+    def slow_keep(*a, **k):
+        import time
+
+        time.sleep(0.05)
+        return real_keep(*a, **k)
+
+    monkeypatch.setattr(s, "keep", slow_keep)
+    for _ in range(4):  # the pending token always continues the repeated text: drafts after the first step
+        sp.step(s, int(base[0, len(s) % 12]), 20)
+    drafted = [sec for T, sec in seen if T > 1]
+    assert drafted and min(drafted) >= 0.05, seen
+    assert all(sec < 0.05 for T, sec in seen if T == 1), seen  # a plain step keeps nothing
