@@ -39,11 +39,12 @@ _DISCOUNT = 0.9  # weight of the past per observation of a kind
 # answers over a 7.7k-token document (SmolLM2-135M, GPL-3, benchmarks/speculative.py), replayed
 # with measured step costs: one that does not quote drafted a 4-token match, rejected, with
 # (1.5, 1) for every length from 3 (1.7 % slower than plain), none with these; one that quotes
-# (its matches reach 6 to 32 tokens) went from 0.80x to 0.71x plain's time. 2-token matches
-# (benchmarks/draft_replay.py, with the prior 1/3): over six answers (quoting, paraphrasing, not quoting; wrapped and unwrapped text) 4 of 24 such drafts
-# had their first token accepted, so their prior is 0.2 (it was 1/3: replayed with step costs of
-# 1.15-1.25x for 2 tokens, a paraphrasing answer went from 1.027-1.030x to 1.018-1.023x plain's
-# time over 33 tokens, and no answer lost more than 0.013x)
+# (its matches reach 6 to 32 tokens) went from 0.80x to 0.71x plain's time. 2-token matches:
+# with a prior of 1/3, 4 of 24 such drafts had their first token accepted over six answers
+# (benchmarks/draft_replay.py: quoting, paraphrasing and not quoting, over wrapped and unwrapped
+# text), hence 0.2; replayed with 2-token steps at 1.15-1.25x a plain one, the paraphrasing
+# answer went from 1.027-1.030x to 1.018-1.023x plain's time over 33 tokens, and no answer
+# lost more than 0.013x
 _PRIOR = {1: (0.25, 4.0), 2: (0.5, 2.0), 3: (1.0, 1.5), 4: (1.0, 1.0), 6: (2.0, 1.0)}
 _MODEL_PRIOR = (1.0, 1.0)
 _BETA0 = 0.5  # prior cost of each extra token, relative to a plain step (a CPU's: see the module doc)
