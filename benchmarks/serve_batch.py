@@ -16,9 +16,12 @@ speculation, with ``--speculate prompt-lookup`` and with ``--speculate draft`` (
 its own draft model), the same way. Then, in one process group, where a
 batched decode step's time goes per rank with 1, 2, 4 and 8 rows reading the document, with
 the model's own nn.Linear and with packed linears (the CLI's default,
-:mod:`treeattn.hf.linear`), and (packed) with 4 rows verifying drafts of several lengths:
-linear layers (weights), the shared-prefix attention, the rows' own attention, the reduction,
-the rest. Not a test: it prints what it measured.
+:mod:`treeattn.hf.linear`), and (packed) with 4 rows verifying drafts of several lengths and
+with the eight questions' prompts joining in one step: linear layers (weights), the
+shared-prefix attention, the rows' own attention, the reduction, the rest. Packed steps of
+several tokens run twice: as before the token split and the prefix pass's prefill kernel
+(every rank runs every token; decode_cpu), and with today's defaults; the join also with each
+alone. Not a test: it prints what it measured.
 
     python benchmarks/serve_batch.py --nproc 2
 """
@@ -59,6 +62,7 @@ QUOTES = (  # answers that quote the document (SmolLM2-135M quotes the paragraph
 
 # tokens per line of a 4-row step that verifies drafts, in the breakdown (the first: no draft)
 LAYOUTS = [(1, 1, 1, 1), (2, 1, 1, 1), (3, 1, 1, 1), (2, 2, 2, 2), (3, 3, 3, 3), (6, 6, 6, 6)]
+JOIN = ("join",)  # the breakdown's step in which every question's own prompt joins at once
 
 
 class Server:
@@ -294,6 +298,7 @@ def breakdown_worker(model_dir: str, prompts: list[list[int]], steps: int, block
     import torch.distributed as dist
 
     import treeattn.hf._cascade as cas
+    import treeattn.hf.batch as batch
     from treeattn.hf.batch import BatchRunner
     from treeattn.hf.linear import pack_linears
     from treeattn.hf.models import load_model
@@ -323,8 +328,8 @@ def breakdown_worker(model_dir: str, prompts: list[list[int]], steps: int, block
     keep = next((i for i in range(n0) if len({p[i] for p in prompts}) > 1), n0)  # the shared head
     r = BatchRunner(model, None, 8, prefill_chunk=1024, **({"block": block} if block else {}))
     r.prefill(0, prompts[0][:keep])
-    r.rows._grow(max(len(p) for p in prompts) - keep + 4 * steps + 8)  # room up front: no growth inside a timed step
-    rows_out = []
+    r.rows._grow(max(len(p) for p in prompts) - keep + 8 * steps + 8)  # room up front: no growth inside a timed step
+    rows_out, split_min = [], batch.SPLIT_MIN
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
     for variant in ("torch", "packed"):  # the model's own nn.Linear, then packed (the CLI's default)
         for m in linears:
@@ -339,40 +344,72 @@ def breakdown_worker(model_dir: str, prompts: list[list[int]], steps: int, block
             r.open(row, 0, keep)
             last.append(int(r.run([(row, p[keep:])]).argmax()))
         # n rows decoding; then, packed, 4 rows verifying drafts (tokens per line; the drafts are cut
-        # back after each step, so every step sees the same lengths)
-        shapes = [(1,) * n for n in (1, 2, 4, 8)] + (LAYOUTS if variant == "packed" else [])
+        # back after each step, so every step sees the same lengths), and every row's prompt joining
+        # in one step. Packed layouts of 2+ tokens as before (every rank runs every token, the prefix
+        # pass through decode_cpu alone) and with today's defaults; the join with each change alone too
+        shapes = [(1,) * n for n in (1, 2, 4, 8)] + (LAYOUTS + [JOIN] if variant == "packed" else [])
         for lay in shapes:
-            for k in acc:
-                acc[k] = 0.0
-            t = 0.0
-            for _ in range(steps):
-                have = [int(r.rows.n[i]) for i in range(len(lay))]
-                on[0] = True
-                t0 = time.perf_counter()
-                lines = [(i, [last[i]] * T) for i, T in enumerate(lay)]
-                logits = r.run(lines, [i for i, T in enumerate(lay) if T > 1])
-                t += time.perf_counter() - t0
-                on[0] = False
-                if max(lay) > 1:
-                    for i, n in enumerate(have):
-                        r.trim(i, n)
-                else:
-                    last[: len(lay)] = logits.argmax(-1).tolist()
-            v = torch.tensor([t, acc["linear"], acc["prefix"], acc["rows"], acc["reduction"]]) / steps * 1e3
-            got = [torch.zeros_like(v) for _ in range(dist.get_world_size())]
-            dist.all_gather(got, v)
-            rows_out.append((variant, lay, got))
+            modes = [("all", "decode_cpu")]
+            if variant == "packed" and (lay is JOIN or sum(lay) > 1):
+                modes += [("1/p", "decode_cpu"), ("all", "wide")] if lay is JOIN else []
+                modes.append(("default", "wide"))
+            for split, prefix in modes:
+                batch.SPLIT_MIN = {"all": 1 << 30, "1/p": 1, "default": split_min}[split]
+                os.environ["TREEATTN_PREFILL_KERNEL"] = "0" if prefix == "decode_cpu" else "1"
+                got = timed_steps(r, lay, last, prompts, keep, steps, on, acc)
+                rows_out.append((variant, lay, f"{split}, {prefix}", got))
+        os.environ.pop("TREEATTN_PREFILL_KERNEL")
+        batch.SPLIT_MIN = split_min
     if dist.get_rank() == 0:
-        print(f"\nwhere a batched decode step goes (ms per step, mean of {steps} steps; a {keep:,}-token shared prefix)\n")
-        print("| linears | rows | tokens per row | rank | step | per token | linear layers (weights) | "
+        print(f"\nwhere a batched step goes (ms per step, mean of {steps} steps, {max(2, steps // 4)} of the joins; "
+              f"a {keep:,}-token shared prefix; how: every rank runs every token (all), 1/p of them each, or "
+              f"as SPLIT_MIN decides (default); the prefix pass through decode_cpu alone, or the prefill "
+              f"kernel for blocks of 32 tokens (wide))\n")  # fmt: skip
+        print("| linears | rows | tokens per row | how | rank | step | per token | linear layers (weights) | "
               "shared-prefix attention | rows' own attention | reduction (incl. wait) | rest |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
-        for variant, lay, got in rows_out:
-            n = sum(lay)
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for variant, lay, split, got in rows_out:
+            n = sum(len(p) - keep for p in prompts) if lay is JOIN else sum(lay)
+            what = "8 joining prompts" if lay is JOIN else ",".join(map(str, lay))
             for rk, x in enumerate(got):
                 tot, li, pre, own, red = x.tolist()
-                print(f"| {variant} | {len(lay)} | {','.join(map(str, lay))} | {rk} | {tot:.1f} | {tot / n:.1f} | "
-                      f"{li:.1f} | {pre:.1f} | {own:.1f} | {red:.1f} | {tot - li - pre - own - red:.1f} |")  # fmt: skip
+                print(f"| {variant} | {len(prompts) if lay is JOIN else len(lay)} | {what} | {split} | "
+                      f"{rk} | {tot:.1f} | {tot / n:.1f} | {li:.1f} | {pre:.1f} | {own:.1f} | {red:.1f} | "
+                      f"{tot - li - pre - own - red:.1f} |")  # fmt: skip
+
+
+def timed_steps(r, lay, last: list[int], prompts, keep: int, steps: int, on: list, acc: dict) -> list:
+    """Per rank ``[step, linear, prefix, rows, reduction]`` ms, means over the steps of layout
+    ``lay`` (tokens per line; :data:`JOIN`: every row's prompt joining in one step)."""
+    import torch
+    import torch.distributed as dist
+
+    for k in acc:
+        acc[k] = 0.0
+    t, reps = 0.0, max(2, steps // 4) if lay is JOIN else steps
+    for _ in range(reps):
+        if lay is JOIN:
+            for row in range(len(prompts)):
+                r.close(row)
+                r.open(row, 0, keep)
+            lines = [(row, p[keep:]) for row, p in enumerate(prompts)]
+        else:
+            have = [int(r.rows.n[i]) for i in range(len(lay))]
+            lines = [(i, [last[i]] * T) for i, T in enumerate(lay)]
+        on[0] = True
+        t0 = time.perf_counter()
+        logits = r.run(lines, [i for i, T in enumerate(lay) if T > 1] if lay is not JOIN else [])
+        t += time.perf_counter() - t0
+        on[0] = False
+        if lay is not JOIN and max(lay) > 1:
+            for i, n in enumerate(have):
+                r.trim(i, n)
+        else:
+            last[: len(lines)] = logits.argmax(-1).tolist()
+    v = torch.tensor([t, acc["linear"], acc["prefix"], acc["rows"], acc["reduction"]]) / reps * 1e3
+    got = [torch.zeros_like(v) for _ in range(dist.get_world_size())]
+    dist.all_gather(got, v)
+    return got
 
 
 def main() -> None:

@@ -5,7 +5,8 @@ on its whole sequence (the prefix part it reads, then its own tokens), and every
 exactly the row tokens its placement gives it, with the K/V transformers computes; a prefix
 that adopts a finished row is checked the same way. Rows verify drafts too: logits at every
 token of their line, then the rejected tokens trimmed. Tree runs lines both ways: stored on
-their owners before the forward (``PLACED_MAX``) and after it."""
+their owners before the forward (``PLACED_MAX``) and after it, and steps run their tokens on
+every rank or a share of them per rank (``SPLIT_MIN``)."""
 
 import random
 
@@ -47,18 +48,19 @@ def check_row(runner, row: int, seq: list[int], keep: int, owner: list[int], ref
 
 
 def run_case(kind: str, placement: str, attention: str, seed: int, steps: int, chunk: int | None = 4,
-             placed_max: int = 16) -> None:  # fmt: skip
+             placed_max: int = 16, split_min: int = 1 << 30) -> None:  # fmt: skip
     import treeattn.hf.batch as batch
     from treeattn.hf.batch import BatchRunner
 
     batch.PLACED_MAX = placed_max  # lines up to this long are stored before the forward (Tree)
+    batch.SPLIT_MIN = split_min  # steps of this many tokens run a share of them per rank (hf._split)
 
     p = dist.get_world_size()
     rng = random.Random(seed)
     m = tiny64(kind)
     V = m.config.vocab_size
     block = rng.choice([None, 1, 3])
-    case = f"p={p} {kind} {placement} {attention} block={block} seed={seed} placed_max={placed_max}"
+    case = f"p={p} {kind} {placement} {attention} block={block} seed={seed} placed_max={placed_max} split_min={split_min}"
     runner = BatchRunner(m, max_batch=4, placement=placement, attention=attention, prefill_chunk=chunk, block=block)
     refs: dict[int, Reference] = {}
     for pid in (0, 1):  # two shared prefixes, prefilled in one or two calls
@@ -124,12 +126,14 @@ def run_case(kind: str, placement: str, attention: str, seed: int, steps: int, c
 
 def batch_worker(seed0: int) -> None:
     cases = [(pl, at) for pl in ("contiguous", "interleaved") for at in ("tree", "ring")]
-    for i, (placement, attention) in enumerate(cases):  # Tree: lines of 3+ tokens stored after the forward, or not
-        run_case("llama", placement, attention, seed0 + i, steps=16, chunk=(4, None)[i % 2], placed_max=(2, 16)[i // 2])
+    for i, (placement, attention) in enumerate(cases):  # Tree: lines of 3+ tokens stored after the forward, or not;
+        # every step of p+ tokens split over the ranks, or none
+        run_case("llama", placement, attention, seed0 + i, steps=16, chunk=(4, None)[i % 2], placed_max=(2, 16)[i // 2],
+                 split_min=(1, 1 << 30, 1 << 30, 1)[i])  # fmt: skip
     # sliding windows (per query, on global positions, in the prefix and in the row) and softcaps
-    run_case("mistral", "interleaved", "tree", seed0 + 10, steps=28, chunk=8)  # rows longer than the window
+    run_case("mistral", "interleaved", "tree", seed0 + 10, steps=28, chunk=8, split_min=1)  # rows longer than the window
     run_case("mistral", "contiguous", "tree", seed0 + 13, steps=28, chunk=8, placed_max=1)
-    run_case("gemma2", "contiguous", "ring", seed0 + 11, steps=28, chunk=8)
+    run_case("gemma2", "contiguous", "ring", seed0 + 11, steps=28, chunk=8, split_min=6)
     run_case("gemma2", "interleaved", "tree", seed0 + 12, steps=10, chunk=None)
 
 

@@ -27,10 +27,19 @@ from torch import Tensor
 
 from ..cache import RowCache, ShardedKVCache
 from ..comm.strategies import reduce_states
+from ..ops._prefill_cpu import prefill_states
 from ..ops.attention import _attention
 from ..ops.state import empty_state, merge_into, merge_states
 from ..parallel import ring_decode
 from ..parallel.tree import new_token_state
+from ._split import gather_qkv
+
+
+# The prefix pass runs a block of 32 tokens through the prefill kernel when it holds at least this
+# many (SmolLM2's shapes, 3,861 keys, one thread, K/V out of cache: decode_cpu 48.9 ms and the
+# kernel 47.3 for 20 tokens over 30 layers; 0.54-0.60x from 32 tokens on). Non-finite output
+# (a non-finite key or value read) goes the decode path, which follows the ops' NaN contract.
+WIDE_FILL = 20
 
 
 @dataclass
@@ -84,6 +93,7 @@ class RowsStep:
     group: dist.ProcessGroup | None = None
     mode: str = "rows"
     stash: dict = field(default_factory=dict)  # layer -> (k, v) [1, Hkv, N, D] of the new tokens
+    cut: list[int] | None = None  # the tokens split over the ranks (hf._split): rank r ran [cut[r], cut[r + 1])
     _win: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -113,7 +123,16 @@ class RowsStep:
         return self._win[window]
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale, window: int | None, softcap) -> Tensor:
-        """``q [1, Hq, N, D]``, the new tokens' ``k, v [1, Hkv, N, D]``; returns ``[1, Hq, N, Dv]``."""
+        """``q [1, Hq, N, D]``, the new tokens' ``k, v [1, Hkv, N, D]``; returns ``[1, Hq, N, Dv]``
+        (with ``cut``: this rank's share of the tokens in, and out)."""
+        if self.cut is not None:
+            q, k, v = gather_qkv(q, k, v, self.cut, self.group)
+            self.stash[layer] = (k, v)
+            a, b = self.cut[self.rows.rank], self.cut[self.rows.rank + 1]
+            return self._attend(layer, q, k, v, scale, window, softcap)[:, :, a:b]
+        return self._attend(layer, q, k, v, scale, window, softcap)
+
+    def _attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale, window: int | None, softcap) -> Tensor:
         g_starts, s_starts = self.starts(window)
         N, Dv = q.shape[2], v.shape[3]
         out, lse = empty_state((1, q.shape[1], N, Dv), q.device)
@@ -168,8 +187,23 @@ def row_state(q: Tensor, k: Tensor, v: Tensor, lens: Tensor, start, scale, softc
 
 def prefix_state(q: Tensor, g: PrefixGroup, layer: int, start, scale, softcap, a: int, b: int) -> tuple[Tensor, Tensor]:
     """This rank's state of tokens ``q [1, Hq, m, D]`` of group ``g`` over its prefix slots
-    ``[a, b)``: one pass over them for all the tokens."""
+    ``[a, b)``: one pass over them for all the tokens. On CPUs with AVX-512 the tokens' blocks of
+    32 go through the prefill kernel (:mod:`treeattn.ops._prefill_cpu`: all query heads of a KV
+    head per key load, ~2x decode_cpu's rate per row on this VM from 20 tokens a block on), a
+    tail of fewer than :data:`WIDE_FILL` tokens through decode_cpu (which costs per row)."""
     kp, vp = _prefix(g, layer, a, b)
+    m = q.shape[2]
+    wide = m if m % 32 >= WIDE_FILL else m - m % 32  # tokens the prefill kernel takes
+    if wide and q.device.type == "cpu":
+        st = None if start is None else start[0, :wide]
+        r = prefill_states(q[:, :, :wide], kp, vp, st, None, scale, softcap, "auto", min_fill=WIDE_FILL / 32,
+                           check=False)  # fmt: skip
+        if r is not None and bool(torch.isfinite(r[0]).all()) and not bool((r[1].isnan() | (r[1] == float("inf"))).any()):
+            if wide == m:
+                return r
+            o, l_ = _attention(q[:, :, wide:], kp, vp, scale=scale, kv_start=None if start is None else start[:, wide:],
+                               softcap=softcap, keep_fp32=True)  # fmt: skip
+            return torch.cat([r[0], o], 2), torch.cat([r[1], l_], 2)
     return _attention(q, kp, vp, scale=scale, kv_start=start, softcap=softcap, keep_fp32=True)
 
 

@@ -24,6 +24,7 @@ from ..cache import Placement, RowCache
 from ..comm.collectives import world
 from . import _model as S
 from ._cascade import PrefixGroup, RowsStep, Shape
+from ._split import cuts, gather_rows
 from .attention import AttnSwitch, TreeAttnCache
 from .session import Session
 
@@ -33,6 +34,10 @@ from .session import Session
 # stored after it, their own tokens attended by every rank as one causal block (one matmul,
 # not a bound per query over the row's keys).
 PLACED_MAX = 16
+# Steps of at least this many tokens run their per-token layers (linear layers, norms, MLPs) on a
+# 1/p share of the tokens per rank (:mod:`treeattn.hf._split`) instead of all of them on every
+# rank; smaller steps are bound by reading the weights, which every rank does either way.
+SPLIT_MIN = 32
 
 
 def _group(cache, by_keep: dict[int, list[int]]) -> PrefixGroup:
@@ -174,13 +179,17 @@ class BatchRunner:
             if self.row_prefix[r] is not None:
                 by_keep = reads.setdefault(self.row_prefix[r], {})
                 by_keep.setdefault(int(self.rows.start[r]), []).extend(range(x - len(t) + 1, x + 1))
+        N = len(ids)
+        cut = cuts(N, self.p) if self.p > 1 and N >= max(SPLIT_MIN, self.p) else None
+        a, b = (cut[self.rank], cut[self.rank + 1]) if cut else (0, N)
         ctx = RowsStep(self.rows, shapes, pos, [_group(self.prefixes[pid].cache, rd) for pid, rd in reads.items()],
-                       self.kw.get("attention", "tree"), self.kw.get("strategy", "auto"), self.group)  # fmt: skip
+                       self.kw.get("attention", "tree"), self.kw.get("strategy", "auto"), self.group, cut=cut)  # fmt: skip
         tc = TreeAttnCache(_Lens(self.rows.L, pos.min().reshape(1)))
         tc.ctx = ctx
         with self._switch():
-            hidden = self.decoder(input_ids=torch.tensor([ids], device=self.device), position_ids=pos[None].to(self.device),
-                                  **S.cache_kw(self.decoder, tc), use_cache=True, treeattn_ctx=ctx).last_hidden_state  # fmt: skip
+            hidden = self.decoder(input_ids=torch.tensor([ids[a:b]], device=self.device),
+                                  position_ids=pos[None, a:b].to(self.device), **S.cache_kw(self.decoder, tc),
+                                  use_cache=True, treeattn_ctx=ctx).last_hidden_state[0]  # fmt: skip
         for s in (s for s in shapes if s.placed is None):  # chunks: to the ranks and slots their rows give them
             i, j, slots = self.rows.place(s.rows, s.T)
             flat = s.idx[i, j].to(self.device)
@@ -193,8 +202,9 @@ class BatchRunner:
             self.row_ids[r].extend(t)
         back = torch.tensor(order).argsort().tolist()  # the callers' order
         want = [range(last[i] - len(lines[i][1]) + 1, last[i] + 1) if lines[i][0] in full else [last[i]] for i in back]
-        return S.lm_logits(self.model, hidden[0, torch.tensor([x for w in want for x in w]).to(self.device)], self.group,
-                           split=True)  # fmt: skip
+        want = [x for w in want for x in w]
+        h = gather_rows(hidden, want, cut, self.rank, self.group) if cut else hidden[torch.tensor(want).to(self.device)]
+        return S.lm_logits(self.model, h, self.group, split=True)
 
     def _key(self, row: int) -> tuple[int, int]:
         pid = self.row_prefix[row]

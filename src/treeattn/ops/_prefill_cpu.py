@@ -43,11 +43,18 @@ def prefill_states(
     scale: float | None,
     softcap: float | None,
     backend: str,
+    *,
+    min_fill: float | None = None,
+    check: bool = True,
 ) -> tuple[Tensor, Tensor] | None:
     """State of ``q [B, Hq, T, D]`` over ``k``/``v [B, Hkv, S, D|Dv]`` where query ``i`` sees the
     keys ``start[i] <= j < end[i]`` (host int64 ``[T]``; None: 0 and S): ``(out float32
     [B, Hq, T, Dv], lse float32 [B, Hq, T])``, empty rows 0 and -inf. None when the kernel does
-    not apply (see the module docstring); the caller then takes its PyTorch path."""
+    not apply (see the module docstring); the caller then takes its PyTorch path. ``min_fill``:
+    the least share of real rows in the padded 32-row blocks (default: the one measured against
+    PyTorch's path). ``check=False`` skips the finiteness pass over the keys and values read
+    (a full read of them): the caller must then treat a non-finite result as "not applicable"
+    (a non-finite key or value read gives NaN in the rows that weigh it, by 0 included)."""
     B, Hq, T, D = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
     if not (
@@ -63,7 +70,7 @@ def prefill_states(
         and v.shape[:3] == k.shape[:3]
         and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
         and T * (Hq // Hkv) * S >= _MIN_WORK
-        and T >= _MIN_FILL * _RB * -(-T // _RB)
+        and T >= (_MIN_FILL if min_fill is None else min_fill) * _RB * -(-T // _RB)
         and os.environ.get("TREEATTN_PREFILL_KERNEL", "") != "0"
         and "prefill512" in kernel_features()
     ):
@@ -72,7 +79,7 @@ def prefill_states(
     hi_k = torch.full((T,), S, dtype=torch.int64) if end is None else end.to(torch.int64).clamp(0, S)
     live = hi_k > lo_k  # rows that read keys: only their range must be finite
     a, b = (int(lo_k[live].min()), int(hi_k[live].max())) if bool(live.any()) else (0, 0)
-    if a < b and not all_finite(k[:, :, a:b], v[:, :, a:b]):
+    if check and a < b and not all_finite(k[:, :, a:b], v[:, :, a:b]):
         return None  # a masked key's value would still be weighed (by 0): PyTorch's path
     if k.stride(-1) != 1:
         k = k.contiguous()
