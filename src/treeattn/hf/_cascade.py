@@ -35,11 +35,15 @@ from ..parallel.tree import new_token_state
 from ._split import gather_qkv
 
 
-# The prefix pass runs a block of 32 tokens through the prefill kernel when it holds at least this
-# many (SmolLM2's shapes, 3,861 keys, one thread, K/V out of cache: decode_cpu 48.9 ms and the
-# kernel 47.3 for 20 tokens over 30 layers; 0.54-0.60x from 32 tokens on). Non-finite output
-# (a non-finite key or value read) goes the decode path, which follows the ops' NaN contract.
-WIDE_FILL = 20
+# The prefix pass takes the prefill kernel from this many query rows per KV head on (tokens x
+# query heads per KV head), for every full block of 32 rows and a last block of at least
+# WIDE_TAIL rows; decode_cpu takes the rest. SmolLM2's shapes (9/3 heads), 3,861 keys, one
+# thread, K/V out of cache, 30 layers: decode_cpu 40.0 ms at 48 rows, 51.7 at 60, 80.2 at 96;
+# the kernel 39.7, 40.0, 53.4. Below 48 rows decode_cpu was faster (24 rows: 22.1 against 27.3).
+# A non-finite result (a non-finite key or value read) takes the decode path, which follows the
+# ops' NaN contract.
+WIDE_MIN = 48
+WIDE_TAIL = 16
 
 
 @dataclass
@@ -187,23 +191,27 @@ def row_state(q: Tensor, k: Tensor, v: Tensor, lens: Tensor, start, scale, softc
 
 def prefix_state(q: Tensor, g: PrefixGroup, layer: int, start, scale, softcap, a: int, b: int) -> tuple[Tensor, Tensor]:
     """This rank's state of tokens ``q [1, Hq, m, D]`` of group ``g`` over its prefix slots
-    ``[a, b)``: one pass over them for all the tokens. On CPUs with AVX-512 the tokens' blocks of
-    32 go through the prefill kernel (:mod:`treeattn.ops._prefill_cpu`: all query heads of a KV
-    head per key load, ~2x decode_cpu's rate per row on this VM from 20 tokens a block on), a
-    tail of fewer than :data:`WIDE_FILL` tokens through decode_cpu (which costs per row)."""
+    ``[a, b)``: one pass over them for all the tokens. On CPUs with AVX-512, from
+    :data:`WIDE_MIN` query rows per KV head on, their blocks of 32 go through the prefill
+    kernel (:mod:`treeattn.ops._prefill_cpu`, each (query head, token) pair of a KV head one of
+    its rows) and a tail of fewer than :data:`WIDE_TAIL` rows through decode_cpu."""
     kp, vp = _prefix(g, layer, a, b)
-    m = q.shape[2]
-    wide = m if m % 32 >= WIDE_FILL else m - m % 32  # tokens the prefill kernel takes
-    if wide and q.device.type == "cpu":
-        st = None if start is None else start[0, :wide]
-        r = prefill_states(q[:, :, :wide], kp, vp, st, None, scale, softcap, "auto", min_fill=WIDE_FILL / 32,
-                           check=False)  # fmt: skip
+    Hq, m, D = q.shape[1:]
+    Hkv = kp.shape[1]
+    R = Hq // Hkv * m  # rows per KV head: row j * m + i is token i of the group's query head j
+    wide = R if R % 32 >= WIDE_TAIL else R - R % 32
+    if R >= WIDE_MIN and q.device.type == "cpu":
+        qr = q.reshape(1, Hkv, R, D)
+        st = None if start is None else start.reshape(-1).repeat(Hq // Hkv)
+        r = prefill_states(qr[:, :, :wide], kp, vp, None if st is None else st[:wide], None, scale, softcap, "auto",
+                           min_fill=0.0, check=False)  # fmt: skip
         if r is not None and bool(torch.isfinite(r[0]).all()) and not bool((r[1].isnan() | (r[1] == float("inf"))).any()):
-            if wide == m:
-                return r
-            o, l_ = _attention(q[:, :, wide:], kp, vp, scale=scale, kv_start=None if start is None else start[:, wide:],
-                               softcap=softcap, keep_fp32=True)  # fmt: skip
-            return torch.cat([r[0], o], 2), torch.cat([r[1], l_], 2)
+            o, l_ = r
+            if wide < R:
+                o2, l2 = _attention(qr[:, :, wide:], kp, vp, scale=scale, softcap=softcap, keep_fp32=True,
+                                    kv_start=None if st is None else st[None, wide:])  # fmt: skip
+                o, l_ = torch.cat([o, o2], 2), torch.cat([l_, l2], 2)
+            return o.view(1, Hq, m, -1), l_.view(1, Hq, m)
     return _attention(q, kp, vp, scale=scale, kv_start=start, softcap=softcap, keep_fp32=True)
 
 
