@@ -39,11 +39,11 @@ def spy(monkeypatch) -> list[int]:
     return taken
 
 
-@pytest.mark.parametrize("m", [8, 15, 16, 17, 21, 22, 32, 40, 90])
+@pytest.mark.parametrize("m", [6, 7, 8, 11, 16, 17, 22, 40, 90])
 @pytest.mark.parametrize("window", [False, True])
 def test_prefix_pass_against_float64(monkeypatch, m, window):
     taken = spy(monkeypatch)
-    S, a, b = 700, 50, 650  # a segment of a larger cache: strided views
+    S, a, b = 900, 50, 850  # a segment of a larger cache: strided views (21 rows x 800 keys: the kernel's least work)
     g, k, v = group(S, a, b, m + 7 * window)
     q = torch.randn(1, 9, m, 64, generator=torch.Generator().manual_seed(m))
     start = torch.randint(0, b - a, (1, m)) if window else None

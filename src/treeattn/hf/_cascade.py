@@ -37,12 +37,13 @@ from ._split import gather_qkv
 
 # The prefix pass takes the prefill kernel from this many query rows per KV head on (tokens x
 # query heads per KV head), for every full block of 32 rows and a last block of at least
-# WIDE_TAIL rows; decode_cpu takes the rest. SmolLM2's shapes (9/3 heads), 3,861 keys, one
-# thread, K/V out of cache, 30 layers: decode_cpu 40.0 ms at 48 rows, 51.7 at 60, 80.2 at 96;
-# the kernel 39.7, 40.0, 53.4. Below 48 rows decode_cpu was faster (24 rows: 22.1 against 27.3).
-# A non-finite result (a non-finite key or value read) takes the decode path, which follows the
-# ops' NaN contract.
-WIDE_MIN = 48
+# WIDE_TAIL rows; decode_cpu takes the rest. SmolLM2's shapes (9/3 heads, D = 64), 3,861 keys,
+# one thread, K/V out of cache, 30 layers, ms: rows 18 / 21 / 24 / 30 / 48 / 96 / 375:
+# decode_cpu 19.3 / 22.1 / 24.0 / 30.3 / 41.7 / 84.2 / 302.6, the kernel 20.9 / 20.8 / 20.5 /
+# 20.7 / 35.0 / 49.0 / 167.4 (a 32-row block costs the same however full; a tail of r rows
+# costs decode_cpu ~0.85 r). Other head shapes are not measured. A non-finite result (a
+# non-finite key or value read) takes the decode path, which follows the ops' NaN contract.
+WIDE_MIN = 21
 WIDE_TAIL = 16
 
 

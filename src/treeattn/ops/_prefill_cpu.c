@@ -42,6 +42,7 @@ typedef struct {
     int64_t *order;
     int64_t next;
     int err;
+    int prefetch; /* few row blocks per KV head: its keys and values are likely still in DRAM */
 } pjob_t;
 
 /* 2^x for x <= 0 (NaN stays NaN); 0 below 2^-126 (no denormal results: they take microcode
@@ -130,6 +131,15 @@ static void pv_any(float *o, int64_t ldo, const float *al, const float *st, int6
     }
 }
 
+/* the first `width` floats of n rows `ss` apart towards L1: the next key block's keys and values,
+ * requested while this block computes. A decode-shaped call (a batched step's rows over a
+ * shared prefix: one or a few row blocks per KV head) reads every key from DRAM once, which
+ * otherwise came on top of the arithmetic: 24 rows over 3,861 keys, 30 layers, 27 -> 21 ms */
+static AI void prefetch_rows(const float *x, int64_t ss, int64_t n, int64_t width) {
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t c = 0; c < width; c += 16) _mm_prefetch((const char *)(x + j * ss + c), _MM_HINT_T0);
+}
+
 typedef struct {
     float *qt, *st, *o, *m, *l, *al;
     int32_t *lo, *hi;
@@ -156,6 +166,11 @@ static void run_task(pjob_t *J, scratch_t *W, int64_t t) {
         W->lo[r] = (int32_t)lo, W->hi[r] = (int32_t)hi;
         W->m[r] = -INFINITY, W->l[r] = 0.f;
     }
+    if (J->prefetch && kmax > kmin) {
+        int64_t n0 = kmax - kmin < PF_NB ? kmax - kmin : PF_NB;
+        prefetch_rows(k + kmin * J->kss, J->kss, n0, D);
+        prefetch_rows(v + kmin * J->vss, J->vss, n0, J->Dv);
+    }
     const float *qb = J->q + (b * J->H + h) * G * T * D;
     for (int64_t g = 0; g < G; g++)
         for (int64_t i = 0; i < PF_RB; i++)
@@ -172,6 +187,11 @@ static void run_task(pjob_t *J, scratch_t *W, int64_t t) {
         int64_t nb = kmax - j0 < PF_NB ? kmax - j0 : PF_NB;
         for (int64_t jt = 0; jt < nb; jt += PF_KT) {
             int nk = nb - jt < PF_KT ? (int)(nb - jt) : PF_KT;
+            int64_t nx = j0 + PF_NB + jt, nn = kmax - nx < PF_KT ? kmax - nx : PF_KT;
+            if (J->prefetch && nn > 0) {
+                prefetch_rows(k + nx * J->kss, J->kss, nn, D);
+                prefetch_rows(v + nx * J->vss, J->vss, nn, J->Dv);
+            }
             for (int64_t rt = 0; rt < M; rt += 32)
                 score_any(W->st + jt * M + rt, M, W->qt + rt, M, k + (j0 + jt) * J->kss, J->kss, D, nk);
         }
@@ -271,6 +291,8 @@ int treeattn_prefill(const float *q, const float *k, const float *v, float scale
     pjob_t J = {q, k, v, B, H, G, T, S, D, Dv, ksb, ksh, kss, vsb, vsh, vss, lo, hi,
                 scale * 1.4426950408889634f, out, lse, (T + PF_RB - 1) / PF_RB, 0, (int64_t *)order, 0, 0};
     J.ntasks = B * H * J.nrb;
+    J.prefetch = J.nrb <= 4; /* measured: 2-3 % slower on a 1024-row causal prefill block, whose
+                                row blocks find a head's keys in cache after its first */
     if (nthreads > J.ntasks) nthreads = (int)J.ntasks;
     if (nthreads < 1) nthreads = 1;
 #ifdef _OPENMP
