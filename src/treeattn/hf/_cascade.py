@@ -19,6 +19,7 @@ round the ring, a line's own tokens merged after it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -206,7 +207,7 @@ def prefix_state(q: Tensor, g: PrefixGroup, layer: int, start, scale, softcap, a
         st = None if start is None else start.reshape(-1).repeat(Hq // Hkv)
         r = prefill_states(qr[:, :, :wide], kp, vp, None if st is None else st[:wide], None, scale, softcap, "auto",
                            min_fill=0.0, check=False)  # fmt: skip
-        if r is not None and bool(torch.isfinite(r[0]).all()) and not bool((r[1].isnan() | (r[1] == float("inf"))).any()):
+        if r is not None and math.isfinite(float(r[0].sum())) and bool((r[1] < math.inf).all()):  # (lse -inf: no key)
             o, l_ = r
             if wide < R:
                 o2, l2 = _attention(qr[:, :, wide:], kp, vp, scale=scale, softcap=softcap, keep_fp32=True,

@@ -75,12 +75,18 @@ def prefill_states(
         and "prefill512" in kernel_features()
     ):
         return None
-    lo_k = torch.zeros(T, dtype=torch.int64) if start is None else start.to(torch.int64).clamp(0, S)
-    hi_k = torch.full((T,), S, dtype=torch.int64) if end is None else end.to(torch.int64).clamp(0, S)
-    live = hi_k > lo_k  # rows that read keys: only their range must be finite
-    a, b = (int(lo_k[live].min()), int(hi_k[live].max())) if bool(live.any()) else (0, 0)
-    if check and a < b and not all_finite(k[:, :, a:b], v[:, :, a:b]):
-        return None  # a masked key's value would still be weighed (by 0): PyTorch's path
+    bounded = start is not None or end is not None
+    threads = torch.get_num_threads()
+    if bounded and (check or threads > 1):
+        lo_k = torch.zeros(T, dtype=torch.int64) if start is None else start.to(torch.int64).clamp(0, S)
+        hi_k = torch.full((T,), S, dtype=torch.int64) if end is None else end.to(torch.int64).clamp(0, S)
+    if check:
+        a, b = 0, S
+        if bounded:
+            live = hi_k > lo_k  # rows that read keys: only their range must be finite
+            a, b = (int(lo_k[live].min()), int(hi_k[live].max())) if bool(live.any()) else (0, 0)
+        if a < b and not all_finite(k[:, :, a:b], v[:, :, a:b]):
+            return None  # a masked key's value would still be weighed (by 0): PyTorch's path
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v.stride(-1) != 1:
@@ -89,7 +95,7 @@ def prefill_states(
     qg = q.contiguous().view(B, Hkv, G * T, D)  # row g * T + i: query i of head h * G + g
     lo, hi = _rows(start, B, T), _rows(end, B, T)  # [B, T]: the same bounds for every sequence
     order = None
-    if start is not None or end is not None:  # longest row blocks first: balanced threads
+    if bounded and threads > 1:  # longest row blocks first: balanced threads
         nrb = -(-T // _RB)
         pad = nrb * _RB - T
         hmax = torch.nn.functional.pad(hi_k, (0, pad), value=0).view(nrb, _RB).amax(-1)
@@ -103,7 +109,7 @@ def prefill_states(
     rc = _lib().treeattn_prefill(
         qg.data_ptr(), k.data_ptr(), v.data_ptr(), s, B, Hkv, G, T, S, D, Dv,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        ptr(lo), ptr(hi), ptr(order), torch.get_num_threads(), out.data_ptr(), lse.data_ptr(),
+        ptr(lo), ptr(hi), ptr(order), threads, out.data_ptr(), lse.data_ptr(),
     )  # fmt: skip
     if rc == 1:
         return None  # a thread could not allocate its scratch: PyTorch's path
