@@ -99,8 +99,8 @@ def breakdown_worker(model_dir, ids, new, rounds, blocks=(None,)):
 
     kernel_available()
     model, _ = load_model(model_dir)
-    acc = {"linear": 0.0, "attention": 0.0, "reduction": 0.0}
-    on = [False]
+    acc = {"linear": 0.0, "attention": 0.0, "reduction": 0.0, "first": 0.0}
+    on, calls, layers = [False], [0], model.config.num_hidden_layers
 
     def timed(name, fn):
         def wrap(*a, **k):
@@ -111,6 +111,10 @@ def breakdown_worker(model_dir, ids, new, rounds, blocks=(None,)):
                 return fn(*a, **k)
             finally:
                 acc[name] += time.perf_counter() - t
+                if name == "reduction":  # a step's first layer also waits out the other rank's step end
+                    if calls[0] % layers == 0:
+                        acc["first"] += time.perf_counter() - t
+                    calls[0] += 1
 
         return wrap
 
@@ -138,10 +142,12 @@ def breakdown_worker(model_dir, ids, new, rounds, blocks=(None,)):
                 hl.unpack_linears(model)
             for k in acc:
                 acc[k] = 0.0
+            calls[0] = 0
             info = {}
             generate(model, ids, max_new_tokens=new, stop_at_eos=False, info=info, streamer=Streamer(), block=block)
             steps = len(info["decode"])
-            t = torch.tensor([sum(info["decode"]), acc["linear"], acc["attention"], acc["reduction"]]) / steps * 1e3
+            t = torch.tensor([sum(info["decode"]), acc["linear"], acc["attention"], acc["reduction"], acc["first"]])
+            t = t / steps * 1e3
             allt = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
             dist.all_gather(allt, t)
             rows += [(linear, block or "auto", r + 1, rank, x.tolist()) for rank, x in enumerate(allt)]
@@ -149,10 +155,10 @@ def breakdown_worker(model_dir, ids, new, rounds, blocks=(None,)):
         print(f"\nkernels: {kernel_info()}")
         print(f"\nwhere a plain Tree decoding step goes (ms per token, mean over {steps} steps):\n")
         print("| linears | block | round | rank | step | linear layers (weights) | local attention | reduction (incl. wait) "
-              "| rest |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|---|---|")
-        for linear, b, r, rank, (tot, li, at, red) in rows:
-            print(f"| {linear} | {b} | {r} | {rank} | {tot:.1f} | {li:.1f} | {at:.1f} | {red:.1f} | "
+              "| of which the first layer's | rest |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for linear, b, r, rank, (tot, li, at, red, first) in rows:
+            print(f"| {linear} | {b} | {r} | {rank} | {tot:.1f} | {li:.1f} | {at:.1f} | {red:.1f} | {first:.2f} | "
                   f"{tot - li - at - red:.1f} |")  # fmt: skip
 
 
