@@ -328,7 +328,8 @@ def breakdown_worker(model_dir: str, prompts: list[list[int]], steps: int, block
     keep = next((i for i in range(n0) if len({p[i] for p in prompts}) > 1), n0)  # the shared head
     r = BatchRunner(model, None, 8, prefill_chunk=1024, **({"block": block} if block else {}))
     r.prefill(0, prompts[0][:keep])
-    r.rows._grow(max(len(p) for p in prompts) - keep + 8 * steps + 8)  # room up front: no growth inside a timed step
+    # room up front, no growth inside a timed step: row 0 keeps the tokens of 9 timed layouts
+    r.rows._grow(max(len(p) for p in prompts) - keep + 16 * steps + 8)
     rows_out, split_min = [], batch.SPLIT_MIN
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
     for variant in ("torch", "packed"):  # the model's own nn.Linear, then packed (the CLI's default)

@@ -35,7 +35,6 @@ from ..parallel import ring_decode
 from ..parallel.tree import new_token_state
 from ._split import gather_qkv
 
-
 # The prefix pass takes the prefill kernel from this many query rows per KV head on (tokens x
 # query heads per KV head), for every full block of 32 rows and a last block of at least
 # WIDE_TAIL rows; decode_cpu takes the rest. SmolLM2's shapes (9/3 heads, D = 64), 3,861 keys,
