@@ -18,10 +18,10 @@ batched decode step's time goes per rank with 1, 2, 4 and 8 rows reading the doc
 the model's own nn.Linear and with packed linears (the CLI's default,
 :mod:`treeattn.hf.linear`), and (packed) with 4 rows verifying drafts of several lengths and
 with the eight questions' prompts joining in one step: linear layers (weights), the
-shared-prefix attention, the rows' own attention, the reduction, the rest. Packed steps of
-several tokens run twice: as before the token split and the prefix pass's prefill kernel
-(every rank runs every token; decode_cpu), and with today's defaults; the join also with each
-alone. Not a test: it prints what it measured.
+shared-prefix attention, the rows' own attention, the reduction, the rest. The join runs four
+ways: as before the token split and the prefix pass's prefill kernel (every rank runs every
+token; decode_cpu), with each alone, and with both (today's defaults). Not a test: it prints
+what it measured.
 
     python benchmarks/serve_batch.py --nproc 2
 """
@@ -346,14 +346,13 @@ def breakdown_worker(model_dir: str, prompts: list[list[int]], steps: int, block
             last.append(int(r.run([(row, p[keep:])]).argmax()))
         # n rows decoding; then, packed, 4 rows verifying drafts (tokens per line; the drafts are cut
         # back after each step, so every step sees the same lengths), and every row's prompt joining
-        # in one step. Packed layouts of 2+ tokens as before (every rank runs every token, the prefix
-        # pass through decode_cpu alone) and with today's defaults; the join with each change alone too
+        # in one step: as before the token split and the wide prefix pass (every rank runs every
+        # token, the prefix pass through decode_cpu alone), with each alone, and with both (today's)
         shapes = [(1,) * n for n in (1, 2, 4, 8)] + (LAYOUTS + [JOIN] if variant == "packed" else [])
         for lay in shapes:
-            modes = [("all", "decode_cpu")]
-            if variant == "packed" and (lay is JOIN or sum(lay) > 1):
-                modes += [("1/p", "decode_cpu"), ("all", "wide")] if lay is JOIN else []
-                modes.append(("default", "wide"))
+            modes = [("default", "wide")]
+            if lay is JOIN:
+                modes = [("all", "decode_cpu"), ("1/p", "decode_cpu"), ("all", "wide")] + modes
             for split, prefix in modes:
                 batch.SPLIT_MIN = {"all": 1 << 30, "1/p": 1, "default": split_min}[split]
                 os.environ["TREEATTN_PREFILL_KERNEL"] = "0" if prefix == "decode_cpu" else "1"
@@ -365,7 +364,7 @@ def breakdown_worker(model_dir: str, prompts: list[list[int]], steps: int, block
         print(f"\nwhere a batched step goes (ms per step, mean of {steps} steps, {max(2, steps // 4)} of the joins; "
               f"a {keep:,}-token shared prefix; how: every rank runs every token (all), 1/p of them each, or "
               f"as SPLIT_MIN decides (default); the prefix pass through decode_cpu alone, or the prefill "
-              f"kernel for blocks of 32 tokens (wide))\n")  # fmt: skip
+              f"kernel for the tokens of lines longer than PLACED_MAX (wide))\n")  # fmt: skip
         print("| linears | rows | tokens per row | how | rank | step | per token | linear layers (weights) | "
               "shared-prefix attention | rows' own attention | reduction (incl. wait) | rest |")  # fmt: skip
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -243,6 +243,9 @@ def test_engine_draft_model_changes_no_answer(monkeypatch):
         assert len(eng.sched.drafters.busy) == 0 and 0 < eng.sched.drafters.held() <= eng.draft_tokens
     with pytest.raises(ValueError, match="vocabulary"):
         Engine(model, None, kw, num_draft=4, draft_model=build_model("small-llama", None, torch.float32, 0)[0])
+    for bad in (-1, 16, 2.0):  # a token and its draft: one placed line (hf.batch.PLACED_MAX)
+        with pytest.raises(ValueError, match=r"num_draft must be an int in \[0, 15\]"):
+            Engine(model, None, kw, num_draft=bad)
 
 
 def test_engine_stop_ends_running_requests_and_frees_their_rows():
@@ -528,6 +531,8 @@ def test_cli_errors_before_any_rank_starts():
     assert r.returncode == 2 and "cannot listen on 127.0.0.1" in r.stderr, r.stderr
     r = serve("--cache-tokens", "-1")
     assert r.returncode == 2 and "--cache-tokens" in r.stderr.splitlines()[-1]
+    r = serve("--speculate", "prompt-lookup", "--num-draft-tokens", "16")
+    assert r.returncode == 2 and "must be <= 15, got 16" in r.stderr, r.stderr
     r = serve("--speculate", "draft")
     assert r.returncode == 2 and "--speculate draft needs --draft-model" in r.stderr, r.stderr
     r = serve("--draft-model", MODEL)

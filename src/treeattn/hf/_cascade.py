@@ -30,21 +30,22 @@ from ..cache import RowCache, ShardedKVCache
 from ..comm.strategies import reduce_states
 from ..ops._prefill_cpu import prefill_states
 from ..ops.attention import _attention
-from ..ops.state import empty_state, merge_into, merge_states
+from ..ops.state import empty_state, merge_into
 from ..parallel import ring_decode
 from ..parallel.tree import new_token_state
 from ._split import gather_qkv
 
-# The prefix pass takes the prefill kernel from this many query rows per KV head on (tokens x
-# query heads per KV head), for every full block of 32 rows and a last block of at least
-# WIDE_TAIL rows; decode_cpu takes the rest. SmolLM2's shapes (9/3 heads, D = 64), 3,861 keys,
-# one thread, K/V out of cache, 30 layers, ms: rows 18 / 21 / 24 / 30 / 48 / 96 / 375:
-# decode_cpu 19.3 / 22.1 / 24.0 / 30.3 / 41.7 / 84.2 / 302.6, the kernel 20.9 / 20.8 / 20.5 /
-# 20.7 / 35.0 / 49.0 / 167.4 (a 32-row block costs the same however full; a tail of r rows
-# costs decode_cpu ~0.85 r). Other head shapes are not measured. A non-finite result (a
-# non-finite key or value read) takes the decode path, which follows the ops' NaN contract.
-WIDE_MIN = 21
-WIDE_TAIL = 16
+# The prefix pass of the tokens of long lines (chunks of a joining prompt, longer than
+# ``batch.PLACED_MAX``: not placed) runs through the prefill kernel on CPUs with AVX-512, each
+# (query head, token) pair of a KV head one of its rows, 32 a block; every other token's (decode
+# rows, drafts, short chunks) through the decode path. The choice follows the token's line alone,
+# and neither path's result for a token depends on the others in its call, so a token gets the
+# same bits whatever shares its step: batched answers, and answers with speculation, are those
+# alone. SmolLM2's shapes (9/3 heads, D = 64), 3,861 keys, one thread, K/V out of cache, 30
+# layers, ms at 18 / 48 / 96 / 375 rows: decode_cpu 19.3 / 41.7 / 84.2 / 302.6, the kernel
+# 20.9 / 35.0 / 49.0 / 167.4 (a 32-row block costs the same however full). A non-finite result
+# (a non-finite key or value read, or every key of a row scoring -inf) takes the decode path,
+# which follows the ops' NaN contract.
 
 
 @dataclass
@@ -60,6 +61,7 @@ class PrefixGroup:
     first: list[int]
     ends: list[int] = field(default_factory=list)  # this rank's slots below each keep
     sels: list = field(default_factory=list)  # segment j's tokens: a slice where contiguous, else device indices
+    parts: list = field(default_factory=list)  # segment j's [(sel, pos or None, wide)]: its tokens by prefix path
 
     @property
     def local(self) -> int:
@@ -108,9 +110,16 @@ class RowsStep:
                          lens=self.rows.kv_len[s.rows].to(dev), sel=_sel(s.idx.reshape(-1), dev))  # fmt: skip
             if s.placed is not None and s.T > 1:  # causal: query j sees its row's slots up to its own position
                 s.dev["end"] = self.rows.slots_before(s.rows, self.q_pos[s.idx] + 1).to(dev)
+        wide = torch.zeros(len(self.q_pos), dtype=torch.bool)  # the tokens of long lines (see prefix_state)
+        for s in self.shapes:
+            if s.placed is None and self.attention != "ring":
+                wide[s.idx.reshape(-1)] = True
         for g in self.groups:
             g.ends = g.cache.slots_before(torch.tensor([g.keeps]))[0].tolist()
             g.sels = [_sel(g.tokens[f:], dev) for f in g.first]
+            g.parts = [
+                _parts(g.tokens[f:], wide[g.tokens[f:]], sel, dev) for f, sel in zip(g.first, g.sels, strict=True)
+            ]
 
     def starts(self, window: int | None) -> tuple[list, list]:
         """Under a sliding window: each group's ``kv_start`` per segment (``[1, m_j]``, relative to
@@ -166,11 +175,12 @@ class RowsStep:
                     lens = torch.full((1,), b - a, device=q.device)
                     o, l_ = ring_decode(q[:, :, t], kp, vp, kv_lens=lens, kv_start=sj, **kw)
                     o = o.to(acc)
+                    _merge_at(out, lse, t, o, l_)
                 elif b > a:
-                    o, l_ = prefix_state(q[:, :, t], g, layer, sj, scale, softcap, a, b)
-                else:
-                    continue
-                _merge_at(out, lse, t, o, l_)
+                    for t, pos, wide in g.parts[j]:
+                        sp = sj if sj is None or pos is None else sj[:, pos]
+                        o, l_ = prefix_state(q[:, :, t], g, layer, sp, scale, softcap, a, b, wide=wide)
+                        _merge_at(out, lse, t, o, l_)
         if ring:
             return out.to(q.dtype)
         out, lse = reduce_states(out, lse, group=self.group, strategy=self.strategy)
@@ -190,30 +200,31 @@ def row_state(q: Tensor, k: Tensor, v: Tensor, lens: Tensor, start, scale, softc
                       keep_fp32=True)  # fmt: skip
 
 
-def prefix_state(q: Tensor, g: PrefixGroup, layer: int, start, scale, softcap, a: int, b: int) -> tuple[Tensor, Tensor]:
+def prefix_state(q: Tensor, g: PrefixGroup, layer: int, start, scale, softcap, a: int, b: int,
+                 wide: bool = False) -> tuple[Tensor, Tensor]:  # fmt: skip
     """This rank's state of tokens ``q [1, Hq, m, D]`` of group ``g`` over its prefix slots
-    ``[a, b)``: one pass over them for all the tokens. On CPUs with AVX-512, from
-    :data:`WIDE_MIN` query rows per KV head on, their blocks of 32 go through the prefill
-    kernel (:mod:`treeattn.ops._prefill_cpu`, each (query head, token) pair of a KV head one of
-    its rows) and a tail of fewer than :data:`WIDE_TAIL` rows through decode_cpu."""
+    ``[a, b)`` (``start [1, m]``: each token's first slot, relative to ``a``; None: 0): one pass
+    over them for all the tokens. ``wide`` (the tokens of long lines): through the prefill kernel
+    where it applies (:mod:`treeattn.ops._prefill_cpu`, float32, AVX-512), else the decode
+    path; a token's result depends on its own query and keys alone either way."""
     kp, vp = _prefix(g, layer, a, b)
-    Hq, m, D = q.shape[1:]
-    Hkv = kp.shape[1]
-    R = Hq // Hkv * m  # rows per KV head: row j * m + i is token i of the group's query head j
-    wide = R if R % 32 >= WIDE_TAIL else R - R % 32
-    if R >= WIDE_MIN and q.device.type == "cpu":
-        qr = q.reshape(1, Hkv, R, D)
-        st = None if start is None else start.reshape(-1).repeat(Hq // Hkv)
-        r = prefill_states(qr[:, :, :wide], kp, vp, None if st is None else st[:wide], None, scale, softcap, "auto",
-                           min_fill=0.0, check=False)  # fmt: skip
-        if r is not None and math.isfinite(float(r[0].sum())) and bool((r[1] < math.inf).all()):  # (lse -inf: no key)
+    if wide and q.device.type == "cpu":
+        st = None if start is None else start.reshape(-1)
+        r = prefill_states(q, kp, vp, st, None, scale, softcap, "auto", min_fill=0.0, min_work=0, check=False)
+        if r is not None:
             o, l_ = r
-            if wide < R:
-                o2, l2 = _attention(qr[:, :, wide:], kp, vp, scale=scale, softcap=softcap, keep_fp32=True,
-                                    kv_start=None if st is None else st[None, wide:])  # fmt: skip
-                o, l_ = torch.cat([o, o2], 2), torch.cat([l_, l2], 2)
-            return o.view(1, Hq, m, -1), l_.view(1, Hq, m)
+            seen = l_ if st is None else l_.masked_fill(st >= b - a, 0.0)  # -inf: only where no key is seen
+            if math.isfinite(float(o.sum() + seen.sum())):
+                return o, l_
     return _attention(q, kp, vp, scale=scale, kv_start=start, softcap=softcap, keep_fp32=True)
+
+
+def _parts(tokens: Tensor, wide: Tensor, sel, dev) -> list[tuple]:
+    """A segment's tokens (flat indices, host) by prefix path: ``(sel, pos, wide)``, ``pos`` the
+    part's places among ``tokens`` (device; None: all of them)."""
+    if bool(wide.all()) or not bool(wide.any()):
+        return [(sel, None, bool(wide.any()))]
+    return [(_sel(tokens[w], dev), w.nonzero()[:, 0].to(dev), f) for w, f in ((~wide, False), (wide, True))]
 
 
 def _sel(idx: Tensor, device) -> slice | Tensor:
@@ -226,11 +237,14 @@ def _sel(idx: Tensor, device) -> slice | Tensor:
 
 
 def _merge_at(out: Tensor, lse: Tensor, sel: slice | Tensor, o: Tensor, l_: Tensor) -> None:
-    """Merge the state ``(o, l_)`` of the tokens ``sel`` into ``(out, lse) [1, Hq, N(, Dv)]``."""
+    """Merge the state ``(o, l_)`` of the tokens ``sel`` into ``(out, lse) [1, Hq, N(, Dv)]``,
+    elementwise: a token's bits do not depend on which tokens share the call."""
     if isinstance(sel, slice):
         merge_into(out[:, :, sel], lse[:, :, sel], o, l_)
     else:
-        out[:, :, sel], lse[:, :, sel] = merge_states(out[:, :, sel], lse[:, :, sel], o, l_)
+        oa, la = out[:, :, sel], lse[:, :, sel]  # copies
+        merge_into(oa, la, o, l_)
+        out[:, :, sel], lse[:, :, sel] = oa, la
 
 
 def _prefix(g: PrefixGroup, layer: int, a: int, b: int) -> tuple[Tensor, Tensor]:

@@ -89,6 +89,11 @@ class BatchRunner:
         self.row_ids: list[list[int]] = [[] for _ in range(max_batch)]  # the row's own token ids
         self._switch = AttnSwitch(model)
         self.max_pos = getattr(cfg, "max_position_embeddings", None) or (1 << 62)
+        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        ropes = list(rope.values()) if rope and all(isinstance(x, dict) for x in rope.values()) else [rope]
+        # the split needs every layer but attention token by token: rotary frequencies chosen by the
+        # longest position in the input (dynamic NTK, LongRoPE) would differ between the ranks' shares
+        self.split_ok = not any(r.get("rope_type", r.get("type")) in ("dynamic", "longrope") for r in ropes)
 
     # -- prefixes --------------------------------------------------------------------
     def prefill(self, pid: int, ids: list[int] | Tensor) -> None:
@@ -180,7 +185,7 @@ class BatchRunner:
                 by_keep = reads.setdefault(self.row_prefix[r], {})
                 by_keep.setdefault(int(self.rows.start[r]), []).extend(range(x - len(t) + 1, x + 1))
         N = len(ids)
-        cut = cuts(N, self.p) if self.p > 1 and N >= max(SPLIT_MIN, self.p) else None
+        cut = cuts(N, self.p) if self.p > 1 and self.split_ok and N >= max(SPLIT_MIN, self.p) else None
         a, b = (cut[self.rank], cut[self.rank + 1]) if cut else (0, N)
         ctx = RowsStep(self.rows, shapes, pos, [_group(self.prefixes[pid].cache, rd) for pid, rd in reads.items()],
                        self.kw.get("attention", "tree"), self.kw.get("strategy", "auto"), self.group, cut=cut)  # fmt: skip

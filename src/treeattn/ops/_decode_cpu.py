@@ -248,16 +248,19 @@ def decode_cpu(
         v = v.contiguous()
     lo_, hi_ = _rows(lo, B, R), _rows(hi, B, R)
     R0 = R
-    if R % 4 == 3 and (R > 4 or S >= 256) and D == Dv and "avx512" in _state["features"]:
-        # AVX-512 runs rows in groups of 4 sharing each K/V load, and a tail row by itself: 3 tail
-        # rows cost more than a 4th row of zeros (R = 15 over 3.9k keys: 534 against 468 us). R = 3
-        # (GQA groups of 3, one token) over 3.9k keys out of cache: 0.98x the time in float32
-        # (0.93x over 16k), 0.56x in bfloat16, 0.77x bf16 K/V with float32 queries; over 45 keys
-        # the pad costs more than it saves (15.8 against 19.2 us), hence S >= 256.
-        # The pad row takes the last row's bounds (rows with equal bounds share the groups).
-        R += 1
-        qg = torch.cat([qg, qg.new_zeros(B, H, 1, D)], 2)
-        lo_, hi_ = (None if x is None else torch.cat([x, x[:, -1:]], 1) for x in (lo_, hi_))
+    if R % 4 and (R > 4 or R == 3) and D == Dv and "avx512" in _state["features"]:
+        # AVX-512 runs rows in groups of 4 sharing each K/V load, and a tail row by itself, with
+        # other rounding: tails run padded to a group, so a row's bits do not depend on how many
+        # rows share the call (a batched step's rows: the same as alone, for GQA groups of 3 or
+        # more). 3 tail rows cost more than a 4th row of zeros (R = 15 over 3.9k keys: 534
+        # against 468 us). R = 3 (GQA groups of 3, one token) over 3.9k keys out of cache: 0.98x
+        # the time in float32 (0.93x over 16k), 0.56x in bfloat16, 0.77x bf16 K/V with float32
+        # queries; over 45 keys 1.2x (15.8 against 19.2 us). The pad rows take the last row's
+        # bounds (rows with equal bounds share the groups).
+        n = 4 - R % 4
+        R += n
+        qg = torch.cat([qg, qg.new_zeros(B, H, n, D)], 2)
+        lo_, hi_ = (None if x is None else torch.cat([x, x[:, -1:].expand(-1, n)], 1) for x in (lo_, hi_))
     q32 = (qg.to(torch.float32) * float(scale)).contiguous()
     # bf16 queries also go in as they are (exact): with AVX512-BF16 the kernel's dot products
     # take bf16 pairs directly and apply the scale to the float32 scores

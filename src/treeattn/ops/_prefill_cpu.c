@@ -166,6 +166,9 @@ static void run_task(pjob_t *J, scratch_t *W, int64_t t) {
         W->lo[r] = (int32_t)lo, W->hi[r] = (int32_t)hi;
         W->m[r] = -INFINITY, W->l[r] = 0.f;
     }
+    /* key blocks at multiples of PF_NB: a row's result does not depend on its block mates' bounds
+       (a block that a row does not see leaves its state exactly as it was) */
+    kmin -= kmin % PF_NB;
     if (J->prefetch && kmax > kmin) {
         int64_t n0 = kmax - kmin < PF_NB ? kmax - kmin : PF_NB;
         prefetch_rows(k + kmin * J->kss, J->kss, n0, D);

@@ -11,7 +11,9 @@ K/V load. Measured on this 2-core AVX-512 VM (float32, 9/3 heads, D = 64; docs/b
 queries over 1k-7k keys. Anything else (other dtypes, softcap, non-finite keys or values,
 value dims not a multiple of 64, an explicit backend, no AVX-512, ``TREEATTN_PREFILL_KERNEL=0``,
 shapes that do not match, inputs that need gradients, a failed scratch allocation) returns None
-and keeps the PyTorch path."""
+and keeps the PyTorch path. The batched step's shared-prefix pass
+(:func:`treeattn.hf._cascade.prefix_state`) calls it too, with ``check=False``: it checks the
+result instead of the keys and values."""
 
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ def prefill_states(
     backend: str,
     *,
     min_fill: float | None = None,
+    min_work: int | None = None,
     check: bool = True,
 ) -> tuple[Tensor, Tensor] | None:
     """State of ``q [B, Hq, T, D]`` over ``k``/``v [B, Hkv, S, D|Dv]`` where query ``i`` sees the
@@ -52,9 +55,12 @@ def prefill_states(
     [B, Hq, T, Dv], lse float32 [B, Hq, T])``, empty rows 0 and -inf. None when the kernel does
     not apply (see the module docstring); the caller then takes its PyTorch path. ``min_fill``:
     the least share of real rows in the padded 32-row blocks (default: the one measured against
-    PyTorch's path). ``check=False`` skips the finiteness pass over the keys and values read
+    PyTorch's path), ``min_work`` the least rows x keys per KV head (default: likewise).
+    A row's result does not depend on the other rows of the call (its key blocks start at
+    multiples of 96 whatever their bounds). ``check=False`` skips the finiteness pass over the keys and values read
     (a full read of them): the caller must then treat a non-finite result as "not applicable"
-    (a non-finite key or value read gives NaN in the rows that weigh it, by 0 included)."""
+    (a NaN or +inf score, or a non-finite value read, gives NaN in the rows that weigh it, by 0
+    included; a row whose every key scores -inf gets 0 and -inf, where PyTorch gives NaN)."""
     B, Hq, T, D = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
     if not (
@@ -69,7 +75,7 @@ def prefill_states(
         and k.shape == (B, Hkv, S, D)
         and v.shape[:3] == k.shape[:3]
         and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
-        and T * (Hq // Hkv) * S >= _MIN_WORK
+        and T * (Hq // Hkv) * S >= (_MIN_WORK if min_work is None else min_work)
         and T >= (_MIN_FILL if min_fill is None else min_fill) * _RB * -(-T // _RB)
         and os.environ.get("TREEATTN_PREFILL_KERNEL", "") != "0"
         and "prefill512" in kernel_features()

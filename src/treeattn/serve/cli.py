@@ -25,6 +25,7 @@ from ..model_cli import (
     say,
     session_kwargs,
 )
+from .plan import MAX_DRAFT
 
 
 def prepare(a: argparse.Namespace) -> str | None:
@@ -145,8 +146,8 @@ def add_parser(sub) -> None:
     g.add_argument("--draft-cache-tokens", type=at_least(1), default=None,
                    help="with --draft-model: tokens its KV caches may hold in all on rank 0, idle ones kept for later "
                    "requests (default: --cache-tokens times the ranks, or 32768 per rank without a prefix cache)")  # fmt: skip
-    g.add_argument("--num-draft-tokens", type=at_least(1), default=5,
-                   help="with --speculate: the most tokens a request drafts per step (default 5)")  # fmt: skip
+    g.add_argument("--num-draft-tokens", type=at_least(1, MAX_DRAFT), default=5,
+                   help=f"with --speculate: the most tokens a request drafts per step (default 5, at most {MAX_DRAFT})")  # fmt: skip
     g.add_argument("--fixed-draft", action="store_true", help="with --speculate: every draft found, as deep as it "
                    "goes (default: as deep as measured step costs and acceptance make worth it)")  # fmt: skip
     g.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 429 (default 64)")

@@ -24,7 +24,7 @@ from ..cache.placement import Placement
 from ..comm.collectives import CollectiveError, broadcast, world
 from ..hf._model import auto_block
 from ..hf.batch import BatchRunner
-from .plan import Plan
+from .plan import MAX_DRAFT, Plan
 from .request import BadRequest, Request
 from .scheduler import Scheduler
 
@@ -51,7 +51,8 @@ class Engine:
             within their timeout and find a dead rank while nothing is asked).
         max_batch: requests that run at once; more wait in the queue.
         num_draft: with speculation, the most tokens a request drafts per step (0: no
-            speculation); see :mod:`treeattn.serve.drafts`. ``fixed_draft``: every draft as
+            speculation; at most :data:`~treeattn.serve.plan.MAX_DRAFT`, else ValueError); see
+            :mod:`treeattn.serve.drafts`. ``fixed_draft``: every draft as
             deep as it goes (default: as deep as measured step costs and acceptance make
             worth it).
         draft_model: rank 0's draft model (a causal LM with the model's vocabulary; ignored on
@@ -65,6 +66,8 @@ class Engine:
     def __init__(self, model, group=None, session_kw: dict | None = None, cache_tokens: int = 32768,
                  heartbeat: float = 1.0, max_batch: int = 8, num_draft: int = 0,
                  fixed_draft: bool = False, draft_model=None, draft_tokens: int | None = None) -> None:  # fmt: skip
+        if type(num_draft) is not int or not 0 <= num_draft <= MAX_DRAFT:
+            raise ValueError(f"num_draft must be an int in [0, {MAX_DRAFT}], got {num_draft!r}")
         self.model, self.group, self.kw = model, group, dict(session_kw or {})
         self.draft_model = draft_model if num_draft else None
         if self.draft_model is not None:

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The most tokens a request drafts per step: a token and its draft make one line of at most
+# ``treeattn.hf.batch.PLACED_MAX`` tokens, whose tokens take the shared-prefix pass a lone decode
+# token takes (the same kernel, the same bits), never the wide one of longer lines.
+MAX_DRAFT = 15
+
 
 @dataclass
 class Plan:

@@ -1,0 +1,120 @@
+"""A row of a batched step gets the same bits whatever shares its step: ``BatchRunner`` at p = 1
+on tiny float32 models with packed linears and head dim 64 (so the shared-prefix pass of long
+lines takes the prefill kernel where this CPU has it), with and without a sliding window. A
+request's logits alone equal, bitwise, its logits joining beside another long prompt, decoding
+beside other rows and drafts (what makes batching leave greedy answers unchanged; under a
+sliding window within 1e-5 and the same greedy tokens); verifying its own answer as a draft in
+one line, within 1e-5 and the same greedy tokens. (What is left is decode_cpu: it runs rows of
+different key bounds one by one, a lone token's rows in a group of 4, with other rounding.)"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import treeattn.hf._cascade as C  # noqa: E402
+from treeattn.hf.batch import PLACED_MAX, BatchRunner  # noqa: E402
+from treeattn.hf.linear import pack_linears  # noqa: E402
+from treeattn.ops._decode_cpu import kernel_features  # noqa: E402
+
+KERNEL = "prefill512" in kernel_features() and os.environ.get("TREEATTN_PREFILL_KERNEL") != "0"
+
+
+def model(window: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    kw = dict(hidden_size=192, intermediate_size=256, num_hidden_layers=2, num_attention_heads=6,
+              num_key_value_heads=2, head_dim=64, vocab_size=512)  # fmt: skip
+    torch.manual_seed(0)
+    m = MistralForCausalLM(MistralConfig(sliding_window=40, **kw)) if window else LlamaForCausalLM(LlamaConfig(**kw))
+    m = m.float().eval()
+    pack_linears(m)
+    return m
+
+
+def spy(monkeypatch) -> list[int]:
+    """Tokens per call of the prefill kernel in the prefix pass (0: it did not apply)."""
+    taken, real = [], C.prefill_states
+
+    def wrap(q, *a, **kw):
+        r = real(q, *a, **kw)
+        taken.append(0 if r is None else q.shape[2])
+        return r
+
+    monkeypatch.setattr(C, "prefill_states", wrap)
+    return taken
+
+
+@pytest.mark.parametrize("window", [False, True])
+def test_a_rows_bits_do_not_depend_on_its_step(monkeypatch, window):
+    taken = spy(monkeypatch)
+    m = model(window)
+    g = torch.Generator().manual_seed(1)
+    ids = lambda n: torch.randint(3, 512, (n,), generator=g).tolist()  # noqa: E731
+    r = BatchRunner(m, max_batch=4, prefill_chunk=64)
+    doc = ids(150)
+    r.prefill(0, doc)
+    prompt, other, third = ids(PLACED_MAX + 9), ids(PLACED_MAX + 4), ids(5)
+    n = 6
+
+    # alone: the prompt (a long line), then n tokens one at a time
+    r.open(0, 0, len(doc))
+    alone = [r.run([(0, prompt)])[0]]
+    toks = [int(alone[0].argmax())]
+    for _ in range(n):
+        alone.append(r.run([(0, toks[-1:])])[0])
+        toks.append(int(alone[-1].argmax()))
+    r.close(0)
+    assert taken == [len(prompt) if KERNEL else 0] * 2, taken  # 2 layers: only the long line's tokens
+
+    # batched: joining beside another long prompt and a short one, decoding beside them and a draft
+    taken.clear()
+    for row in range(4):
+        r.open(row, 0, len(doc))
+    got = r.run([(1, other), (0, prompt), (2, third), (3, ids(2))])
+    assert torch.equal(got[1], alone[0])
+    assert taken == [len(prompt) + len(other) if KERNEL else 0] * 2, taken  # a call a layer, both long lines
+    nxt = [int(x) for x in got.argmax(-1)]
+    for i in range(n):
+        d = ids(3)
+        got = r.run([(2, [nxt[2]] + d), (0, toks[i : i + 1]), (1, [nxt[1]]), (3, [nxt[3]])], full=[2])
+        if window:  # per-token window starts: decode_cpu runs rows of different bounds one by one
+            torch.testing.assert_close(got[4], alone[i + 1], rtol=0, atol=1e-5, msg=f"decode step {i}")
+        else:
+            assert torch.equal(got[4], alone[i + 1]), f"decode step {i}"  # row 2's line has 4 logits
+        assert int(got[4].argmax()) == toks[i + 1]
+        r.trim(2, int(r.rows.n[2]) - len(d))  # its draft rejected
+        nxt = [None, int(got[5].argmax()), int(got[0].argmax()), int(got[6].argmax())]
+    for row in range(4):
+        r.close(row)
+
+    # its own answer as a draft: one line, logits at every token. Its shared-prefix pass is the
+    # decode tokens' (the same bits); its own-token attention is not yet: decode_cpu runs rows of
+    # different causal bounds one by one, a lone token's row in a group of 4 (other rounding)
+    r.open(0, 0, len(doc))
+    assert torch.equal(r.run([(0, prompt)])[0], alone[0])
+    got = r.run([(0, toks[:n])], full=[0])
+    for i in range(n):
+        torch.testing.assert_close(got[i], alone[i + 1], rtol=0, atol=1e-5, msg=f"draft token {i}")
+        assert int(got[i].argmax()) == toks[i + 1]
+
+
+def test_no_token_split_where_rotary_frequencies_follow_the_input():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kw = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=64)
+    assert BatchRunner(LlamaForCausalLM(LlamaConfig(**kw))).split_ok
+    for kind in ("dynamic", "longrope"):
+        extra = {"original_max_position_embeddings": 64, "short_factor": [1.0] * 16, "long_factor": [2.0] * 16}
+        scaling = {"rope_type": kind, "factor": 2.0, **(extra if kind == "longrope" else {})}
+        assert not BatchRunner(LlamaForCausalLM(LlamaConfig(rope_scaling=scaling, **kw))).split_ok, kind
+
+
+def test_a_token_and_its_longest_draft_are_one_placed_line():
+    from treeattn.serve.plan import MAX_DRAFT
+
+    assert 1 + MAX_DRAFT <= PLACED_MAX
