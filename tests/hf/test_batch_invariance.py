@@ -1,6 +1,6 @@
 """A row of a batched step gets the same bits whatever shares its step: ``BatchRunner`` at p = 1
 on tiny float32 models with packed linears and head dim 64 (so the shared-prefix pass of long
-lines takes the prefill kernel where this CPU has it), with and without a sliding window. A
+chunks takes the prefill kernel where this CPU has it), with and without a sliding window. A
 request's logits alone equal, bitwise, its logits joining beside another long prompt, decoding
 beside other rows and drafts (what makes batching leave greedy answers unchanged; under a
 sliding window within 1e-5 and the same greedy tokens); verifying its own answer as a draft in
@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("transformers")
 
 import treeattn.hf._cascade as C  # noqa: E402
-from treeattn.hf.batch import PLACED_MAX, BatchRunner  # noqa: E402
+from treeattn.hf.batch import PLACED_MAX, WIDE_LINE, BatchRunner  # noqa: E402
 from treeattn.hf.linear import pack_linears  # noqa: E402
 from treeattn.ops._decode_cpu import kernel_features  # noqa: E402
 
@@ -58,10 +58,10 @@ def test_a_rows_bits_do_not_depend_on_its_step(monkeypatch, window):
     r = BatchRunner(m, max_batch=4, prefill_chunk=64)
     doc = ids(150)
     r.prefill(0, doc)
-    prompt, other, third = ids(PLACED_MAX + 9), ids(PLACED_MAX + 4), ids(5)
-    n = 6
+    prompt, other, third = ids(PLACED_MAX + 9), ids(PLACED_MAX + 4), ids(WIDE_LINE + 2)  # third: placed, wide
+    n = WIDE_LINE + 1  # the draft below: a line as long as a prompt chunk that takes the kernel
 
-    # alone: the prompt (a long line), then n tokens one at a time
+    # alone: the prompt (a chunk), then n tokens one at a time
     r.open(0, 0, len(doc))
     alone = [r.run([(0, prompt)])[0]]
     toks = [int(alone[0].argmax())]
@@ -69,7 +69,7 @@ def test_a_rows_bits_do_not_depend_on_its_step(monkeypatch, window):
         alone.append(r.run([(0, toks[-1:])])[0])
         toks.append(int(alone[-1].argmax()))
     r.close(0)
-    assert taken == [len(prompt) if KERNEL else 0] * 2, taken  # 2 layers: only the long line's tokens
+    assert taken == [len(prompt) if KERNEL else 0] * 2, taken  # 2 layers: only the prompt chunk's tokens
 
     # batched: joining beside another long prompt and a short one, decoding beside them and a draft
     taken.clear()
@@ -77,7 +77,7 @@ def test_a_rows_bits_do_not_depend_on_its_step(monkeypatch, window):
         r.open(row, 0, len(doc))
     got = r.run([(1, other), (0, prompt), (2, third), (3, ids(2))])
     assert torch.equal(got[1], alone[0])
-    assert taken == [len(prompt) + len(other) if KERNEL else 0] * 2, taken  # a call a layer, both long lines
+    assert taken == [len(prompt) + len(other) + len(third) if KERNEL else 0] * 2, taken  # a call a layer
     nxt = [int(x) for x in got.argmax(-1)]
     for i in range(n):
         d = ids(3)
@@ -97,7 +97,9 @@ def test_a_rows_bits_do_not_depend_on_its_step(monkeypatch, window):
     # different causal bounds one by one, a lone token's row in a group of 4 (other rounding)
     r.open(0, 0, len(doc))
     assert torch.equal(r.run([(0, prompt)])[0], alone[0])
+    taken.clear()
     got = r.run([(0, toks[:n])], full=[0])
+    assert taken == [], taken  # a line with logits at every token: the decode path, however long
     for i in range(n):
         torch.testing.assert_close(got[i], alone[i + 1], rtol=0, atol=1e-5, msg=f"draft token {i}")
         assert int(got[i].argmax()) == toks[i + 1]

@@ -35,10 +35,10 @@ from ..parallel import ring_decode
 from ..parallel.tree import new_token_state
 from ._split import gather_qkv
 
-# The prefix pass of the tokens of long lines (chunks of a joining prompt, longer than
-# ``batch.PLACED_MAX``: not placed) runs through the prefill kernel on CPUs with AVX-512, each
-# (query head, token) pair of a KV head one of its rows, 32 a block; every other token's (decode
-# rows, drafts, short chunks) through the decode path. The choice follows the token's line alone,
+# The prefix pass of the tokens of prompt chunks (``batch.WIDE_LINE`` tokens or more, logits at
+# the last only) runs through the prefill kernel on CPUs with AVX-512, each (query head, token)
+# pair of a KV head one of its rows, 32 a block; every other token's (decode rows, drafts, short
+# chunks) through the decode path. The choice follows the token's line alone,
 # and neither path's result for a token depends on the others in its call, so a token gets the
 # same bits whatever shares its step: batched answers, and answers with speculation, are those
 # alone. SmolLM2's shapes (9/3 heads, D = 64), 3,861 keys, one thread, K/V out of cache, 30
@@ -101,6 +101,7 @@ class RowsStep:
     mode: str = "rows"
     stash: dict = field(default_factory=dict)  # layer -> (k, v) [1, Hkv, N, D] of the new tokens
     cut: list[int] | None = None  # the tokens split over the ranks (hf._split): rank r ran [cut[r], cut[r + 1])
+    wide: Tensor | None = None  # [N] bool (host): the tokens whose prefix pass may take the prefill kernel
     _win: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -110,10 +111,7 @@ class RowsStep:
                          lens=self.rows.kv_len[s.rows].to(dev), sel=_sel(s.idx.reshape(-1), dev))  # fmt: skip
             if s.placed is not None and s.T > 1:  # causal: query j sees its row's slots up to its own position
                 s.dev["end"] = self.rows.slots_before(s.rows, self.q_pos[s.idx] + 1).to(dev)
-        wide = torch.zeros(len(self.q_pos), dtype=torch.bool)  # the tokens of long lines (see prefix_state)
-        for s in self.shapes:
-            if s.placed is None and self.attention != "ring":
-                wide[s.idx.reshape(-1)] = True
+        wide = torch.zeros(len(self.q_pos), dtype=torch.bool) if self.wide is None else self.wide
         for g in self.groups:
             g.ends = g.cache.slots_before(torch.tensor([g.keeps]))[0].tolist()
             g.sels = [_sel(g.tokens[f:], dev) for f in g.first]
@@ -204,7 +202,7 @@ def prefix_state(q: Tensor, g: PrefixGroup, layer: int, start, scale, softcap, a
                  wide: bool = False) -> tuple[Tensor, Tensor]:  # fmt: skip
     """This rank's state of tokens ``q [1, Hq, m, D]`` of group ``g`` over its prefix slots
     ``[a, b)`` (``start [1, m]``: each token's first slot, relative to ``a``; None: 0): one pass
-    over them for all the tokens. ``wide`` (the tokens of long lines): through the prefill kernel
+    over them for all the tokens. ``wide`` (the tokens of prompt chunks): through the prefill kernel
     where it applies (:mod:`treeattn.ops._prefill_cpu`, float32, AVX-512), else the decode
     path; a token's result depends on its own query and keys alone either way."""
     kp, vp = _prefix(g, layer, a, b)

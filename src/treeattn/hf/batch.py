@@ -38,6 +38,11 @@ PLACED_MAX = 16
 # 1/p share of the tokens per rank (:mod:`treeattn.hf._split`) instead of all of them on every
 # rank; smaller steps are bound by reading the weights, which every rank does either way.
 SPLIT_MIN = 32
+# Lines of at least this many tokens that want logits at their last token only (prompt chunks, not
+# drafts) run their shared-prefix pass through the prefill kernel where it applies
+# (:func:`treeattn.hf._cascade.prefix_state`); the choice depends on the line alone, so a row gets
+# the same bits whatever shares its step.
+WIDE_LINE = 8
 
 
 def _group(cache, by_keep: dict[int, list[int]]) -> PrefixGroup:
@@ -185,10 +190,15 @@ class BatchRunner:
                 by_keep = reads.setdefault(self.row_prefix[r], {})
                 by_keep.setdefault(int(self.rows.start[r]), []).extend(range(x - len(t) + 1, x + 1))
         N = len(ids)
+        wide = torch.zeros(N, dtype=torch.bool)
+        for (r, t), x in zip(lines, last, strict=True):
+            if r not in full and len(t) >= WIDE_LINE:
+                wide[x - len(t) + 1 : x + 1] = True
         cut = cuts(N, self.p) if self.p > 1 and self.split_ok and N >= max(SPLIT_MIN, self.p) else None
         a, b = (cut[self.rank], cut[self.rank + 1]) if cut else (0, N)
         ctx = RowsStep(self.rows, shapes, pos, [_group(self.prefixes[pid].cache, rd) for pid, rd in reads.items()],
-                       self.kw.get("attention", "tree"), self.kw.get("strategy", "auto"), self.group, cut=cut)  # fmt: skip
+                       self.kw.get("attention", "tree"), self.kw.get("strategy", "auto"), self.group, cut=cut,
+                       wide=wide)  # fmt: skip
         tc = TreeAttnCache(_Lens(self.rows.L, pos.min().reshape(1)))
         tc.ctx = ctx
         with self._switch():

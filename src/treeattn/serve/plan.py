@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # The most tokens a request drafts per step: a token and its draft make one line of at most
-# ``treeattn.hf.batch.PLACED_MAX`` tokens, whose tokens take the shared-prefix pass a lone decode
-# token takes (the same kernel, the same bits), never the wide one of longer lines.
+# ``treeattn.hf.batch.PLACED_MAX`` tokens, placed as a lone decode token is (its own tokens
+# attended on their owners; its shared-prefix pass the decode path, as for every line with logits
+# at every token).
 MAX_DRAFT = 15
 
 
