@@ -16,7 +16,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-import treeattn.hf._cascade as C  # noqa: E402
+from test_cascade_wide import spy  # noqa: E402
+
 from treeattn.hf.batch import PLACED_MAX, WIDE_LINE, BatchRunner  # noqa: E402
 from treeattn.hf.linear import pack_linears  # noqa: E402
 from treeattn.ops._decode_cpu import kernel_features  # noqa: E402
@@ -34,19 +35,6 @@ def model(window: bool):
     m = m.float().eval()
     pack_linears(m)
     return m
-
-
-def spy(monkeypatch) -> list[int]:
-    """Tokens per call of the prefill kernel in the prefix pass (0: it did not apply)."""
-    taken, real = [], C.prefill_states
-
-    def wrap(q, *a, **kw):
-        r = real(q, *a, **kw)
-        taken.append(0 if r is None else q.shape[2])
-        return r
-
-    monkeypatch.setattr(C, "prefill_states", wrap)
-    return taken
 
 
 @pytest.mark.parametrize("window", [False, True])
