@@ -342,3 +342,27 @@ def test_auto_bf16_row_limit_follows_kernel_features(monkeypatch):
     assert _pick_backend(*make(1, 1, 2 * _DECODE_MAX_ROWS_BF16DP, 1, 10, 128, torch.bfloat16)) == "flash_cpu"
     monkeypatch.setattr(DC, "kernel_features", lambda: frozenset({"avx2"}))
     assert _pick_backend(q, k, v) == "flash_cpu"
+
+
+@pytest.mark.skipif("avx512" not in DC.kernel_features(), reason="row groups of 4 need the AVX-512 build")
+@pytest.mark.parametrize("dtype,softcap,D", [(torch.float32, None, 64), (torch.float32, 30.0, 128),
+                                             (torch.bfloat16, None, 64), (torch.bfloat16, 30.0, 128)])  # fmt: skip
+def test_a_rows_bits_do_not_depend_on_the_other_rows_bounds(dtype, softcap, D):
+    """GQA groups of 3 (a token's rows: padded to a group of 4): a token's result alone equals,
+    bitwise, its result among tokens of other key ranges (windows, ends mid-block, a range
+    nobody else has), in float32 and (with AVX512-BF16) bfloat16."""
+    if dtype == torch.bfloat16 and "avx512bf16" not in DC.kernel_features():
+        pytest.skip("bf16 row groups need AVX512-BF16")
+    S, G, m = 700, 3, 7
+    g = torch.Generator().manual_seed(D)
+    k, v = (torch.randn(1, 2, S, D, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(1, 2, G, m, D, generator=g).to(dtype)  # rows g * m + i
+    lo = torch.randint(0, S, (m,), generator=g)
+    hi = torch.minimum(lo + torch.randint(1, S, (m,), generator=g), torch.tensor(S))
+    lo[2], hi[2] = 0, S
+    lo[3], hi[3] = lo[4], hi[4]
+    out, lse = decode_cpu(q.reshape(1, 2, G * m, D), k, v, D**-0.5, lo.repeat(G)[None], hi.repeat(G)[None], softcap)
+    out, lse = out.reshape(1, 2, G, m, D), lse.reshape(1, 2, G, m)
+    for i in range(m):
+        o1, l1 = decode_cpu(q[:, :, :, i], k, v, D**-0.5, lo[i].repeat(G)[None], hi[i].repeat(G)[None], softcap)
+        assert torch.equal(o1, out[:, :, :, i]) and torch.equal(l1, lse[:, :, :, i]), (i, int(lo[i]), int(hi[i]))

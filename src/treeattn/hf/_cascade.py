@@ -214,7 +214,10 @@ def prefix_state(q: Tensor, g: PrefixGroup, layer: int, start, scale, softcap, a
             seen = l_ if st is None else l_.masked_fill(st >= b - a, 0.0)  # -inf: only where no key is seen
             if math.isfinite(float(o.sum() + seen.sum())):
                 return o, l_
-    return _attention(q, kp, vp, scale=scale, kv_start=start, softcap=softcap, keep_fp32=True)
+    # the decode path is decode_cpu however many tokens share the call (auto would hand many rows
+    # with windows to flash_cpu: other rounding); a row's result there depends on its own bounds only
+    be = "decode_cpu" if q.device.type == "cpu" else "auto"
+    return _attention(q, kp, vp, scale=scale, kv_start=start, softcap=softcap, keep_fp32=True, backend=be)
 
 
 def _parts(tokens: Tensor, wide: Tensor, sel, dev) -> list[tuple]:

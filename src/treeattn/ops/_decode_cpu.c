@@ -972,6 +972,40 @@ static inline __attribute__((always_inline)) void block_r4_512(const job_t *J, i
             for (int64_t j = iv; j < iv + gv; j++) axpy1_x(acc + r * Dv, V + j * vst, Dv, sc[r * ss + j], bf);
     }
 }
+
+/* The rows of one block with different key ranges (windows, per-row ends): each row's values
+ * over its own keys in order (the same fused multiply-adds as vals2_x), each group of 4 rows'
+ * scores over the group's keys by sc1_r4_x (a row's score the same bits as block_r4_512's,
+ * whatever the other rows), each kept where its row sees it. So a row's result does not
+ * depend on the ranges of the rows that share its call (R % 4 == 0: decode_cpu pads). */
+static inline __attribute__((always_inline)) void block_ragged_512(const job_t *J, int64_t bh, const char *kb,
+                                                                   int64_t kst, const char *vb, int64_t vst,
+                                                                   const int64_t *rng, const float *sc, float *sn,
+                                                                   int64_t ss, float *acc, const int bf) {
+    const int64_t R = J->R, D = J->D, Dv = J->Dv, qel = bf ? 2 : 4;
+    const char *qg = bf ? (const char *)(J->qb + bh * R * D) : (const char *)(J->q + bh * R * D);
+    const float sg = bf ? J->scale : 1.0f;
+    for (int64_t r = 0; r < R; r++) {
+        const char *V = vb + rng[4 * r] * vst;
+        for (int64_t i = 0; i < rng[4 * r + 1]; i++) axpy1_x(acc + r * Dv, V + i * vst, Dv, sc[r * ss + i], bf);
+    }
+    for (int64_t r = 0; r < R; r += 4) {
+        int64_t a = INT64_MAX, e = INT64_MIN;
+        for (int64_t x = r; x < r + 4; x++)
+            if (rng[4 * x + 3] > 0) {
+                a = rng[4 * x + 2] < a ? rng[4 * x + 2] : a;
+                e = rng[4 * x + 2] + rng[4 * x + 3] > e ? rng[4 * x + 2] + rng[4 * x + 3] : e;
+            }
+        float t[4];
+        for (int64_t j = a; j < e; j++) {
+            sc1_r4_x(qg + r * D * qel, D, kb + j * kst, D, sg, t, 1, bf);
+            for (int64_t x = 0; x < 4; x++) {
+                const int64_t o = j - rng[4 * (r + x) + 2];
+                if (o >= 0 && o < rng[4 * (r + x) + 3]) sn[(r + x) * ss + o] = t[x];
+            }
+        }
+    }
+}
 #endif
 
 /* bfloat16 tiles (block_tile_bf, row1_eo) where they were measured: AVX2-only CPUs (1.2-1.6x
@@ -1034,7 +1068,9 @@ static inline __attribute__((always_inline)) void run_task_fast_x(const job_t *J
     int64_t ulo, uhi;
     task_start(R, S, Dv, lo, hi, s0, s1, mx, den, acc, &ulo, &uhi);
     if (ulo >= uhi) return;
-    const int64_t nb = (uhi - ulo + BS - 1) / BS;
+    /* blocks at multiples of BS from the split's start, not from the rows' first key: a row's
+     * blocks (and so its online softmax) do not depend on the other rows' ranges */
+    const int64_t base = ulo - (ulo - s0) % BS, nb = (uhi - base + BS - 1) / BS;
     const float cap = J->softcap;
     /* block_tile_bf keeps q (in qp) and acc in even/odd order; perm: acc currently in it */
     const int tile = TILE_BF16 && bf && D % 16 == 0 && Dv % 16 == 0;
@@ -1046,7 +1082,7 @@ static inline __attribute__((always_inline)) void run_task_fast_x(const job_t *J
     for (int64_t blk = -1; blk < nb; blk++) {
         /* block blk: weights + values; block blk+1: scores. Rows inside the loop over groups
          * of 4 keys: the first row streams each K/V byte from memory, the others hit L1. */
-        const int64_t c0 = ulo + blk * BS, c1 = c0 + BS < uhi ? c0 + BS : uhi;
+        const int64_t c0 = base + blk * BS, c1 = c0 + BS < uhi ? c0 + BS : uhi;
         const int64_t n0 = c1, n1 = n0 + BS < uhi ? n0 + BS : uhi; /* next block [n0, n1) */
         int64_t gmax = 0;
         for (int64_t r = 0; r < R; r++) {
@@ -1085,6 +1121,15 @@ static inline __attribute__((always_inline)) void run_task_fast_x(const job_t *J
 #endif
             if (perm) perm16(acc, R * Dv, 0), perm = 0;
             block_r4_512(J, bh, r4, kb + rng[2] * kst, kst, rng[3], sn, vb + rng[0] * vst, vst, rng[1], sc, ss, acc, bf);
+            continue;
+        }
+#ifdef HAVE_BF16DP
+        if (!uni && R % 4 == 0 && D == Dv && (bf ? J->qb && D % 32 == 0 : D % 16 == 0)) {
+#else
+        if (!uni && R % 4 == 0 && D == Dv && !bf && D % 16 == 0) {
+#endif
+            if (perm) perm16(acc, R * Dv, 0), perm = 0;
+            block_ragged_512(J, bh, kb, kst, vb, vst, rng, sc, sn, ss, acc, bf);
             continue;
         }
 #endif
