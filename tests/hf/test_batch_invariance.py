@@ -101,3 +101,32 @@ def test_a_token_and_its_longest_draft_are_one_placed_line():
     from treeattn.serve.plan import MAX_DRAFT
 
     assert 1 + MAX_DRAFT <= PLACED_MAX
+
+
+@pytest.mark.parametrize("window", [False, True])
+def test_rows_reading_a_prefix_to_other_depths_get_their_bits_alone(window):
+    """Rows that read 150, 90 and 31 tokens of one prefix (a longer conversation beside new
+    questions): one pass over the prefix, each token bounded by its own keep, so each row's
+    logits are the ones it gets alone, prompt chunk and decode steps."""
+    m = model(window)
+    g = torch.Generator().manual_seed(2)
+    ids = lambda n: torch.randint(3, 512, (n,), generator=g).tolist()  # noqa: E731
+    r = BatchRunner(m, max_batch=3, prefill_chunk=64)
+    r.prefill(0, ids(150))
+    keeps, prompts = (150, 90, 31), (ids(WIDE_LINE + 3), ids(4), ids(PLACED_MAX + 5))
+    alone = []
+    for row, (keep, p) in enumerate(zip(keeps, prompts, strict=True)):
+        r.open(row, 0, keep)
+        out = [r.run([(row, p)])[0]]
+        for _ in range(3):
+            out.append(r.run([(row, [int(out[-1].argmax())])])[0])
+        alone.append(out)
+        r.close(row)
+    for row, keep in enumerate(keeps):
+        r.open(row, 0, keep)
+    got = r.run([(row, p) for row, p in enumerate(prompts)])
+    for i in range(4):
+        for row in range(3):
+            assert torch.equal(got[row], alone[row][i]), (row, i)
+        if i < 3:
+            got = r.run([(row, [int(alone[row][i].argmax())]) for row in range(3)])

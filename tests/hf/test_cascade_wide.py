@@ -51,23 +51,33 @@ def test_prefix_pass_against_float64(monkeypatch, m, window, wide):
     g, k, v = group(S, a, b, m + 7 * window)
     q = torch.randn(1, 9, m, 64, generator=torch.Generator().manual_seed(m))
     start = torch.randint(0, b - a, (1, m)) if window else None
-    out, lse = C.prefix_state(q, g, 0, start, 0.125, None, a, b, wide=wide)
-    assert taken == ([m] if wide else []), taken
-    mask = None if start is None else (torch.arange(b - a)[None, None, :] >= start[0][None, :, None])
-    assert_within_tolerance(out, lse, q, k, v, scale=0.125, mask=mask)
+    end = torch.randint(1, b - a + 1, (1, m))  # each token its own keep
+    end[0, 0] = b - a
+    for e in (None, end):
+        taken.clear()
+        out, lse = C.prefix_state(q, g, 0, start, 0.125, None, a, b, wide=wide, end=e)
+        assert taken == ([m] if wide else []), taken
+        j = torch.arange(b - a)[None, None, :]
+        lo = torch.zeros(1, m, 1, dtype=torch.int64) if start is None else start[0][None, :, None]
+        mask = (j >= lo) & (j < (b - a if e is None else e[0][None, :, None]))
+        assert_within_tolerance(out, lse, q, k, v, scale=0.125, mask=mask)
 
 
 @pytest.mark.parametrize("window", [False, True])
+@pytest.mark.parametrize("ends", [False, True])
 @pytest.mark.parametrize("wide", [False, True])
-def test_a_tokens_result_does_not_depend_on_the_others(window, wide):
+def test_a_tokens_result_does_not_depend_on_the_others(window, ends, wide):
     S, m = 700, 40
     g, _, _ = group(S, 0, S, 5)
     q = torch.randn(1, 9, m, 64, generator=torch.Generator().manual_seed(6))
-    start = torch.randint(0, S - 1, (1, m), generator=torch.Generator().manual_seed(7)) if window else None
-    full = C.prefix_state(q, g, 0, start, 0.125, None, 0, S, wide=wide)
+    gen = torch.Generator().manual_seed(7)
+    start = torch.randint(0, S - 1, (1, m), generator=gen) if window else None
+    end = torch.randint(S // 2, S + 1, (1, m), generator=gen) if ends else None  # prefixes read to other depths
+    full = C.prefix_state(q, g, 0, start, 0.125, None, 0, S, wide=wide, end=end)
     for sub in ([0], [5], [3, 4], list(range(3, 20)), list(range(10, 40)), [1, 9, 30, 31, 33]):
         i = torch.tensor(sub)
-        got = C.prefix_state(q[:, :, i], g, 0, None if start is None else start[:, i], 0.125, None, 0, S, wide=wide)
+        st, en = (None if x is None else x[:, i] for x in (start, end))
+        got = C.prefix_state(q[:, :, i], g, 0, st, 0.125, None, 0, S, wide=wide, end=en)
         assert torch.equal(got[0], full[0][:, :, i]) and torch.equal(got[1], full[1][:, :, i]), sub
 
 

@@ -7,9 +7,10 @@ request's prompt. Each token reads the first ``keep`` tokens of its row's shared
 :class:`~treeattn.cache.ShardedKVCache` of one sequence), the row's own earlier tokens (a
 :class:`~treeattn.cache.RowCache`), and the earlier tokens of its line (causal). The tokens
 that read the same prefix attend to it together, whatever their ``keep``: the prefix is cut
-at their distinct keeps into segments, and each segment is one pass over its keys for all
-the tokens that read it (their queries folded into one block), so each rank reads its shard
-of the prefix once per step whatever the number of lines. Tree: the local prefix and row
+for Tree in one pass over this rank's slots of it, each token bounded by its own keep (and
+window), their queries folded into one block, so each rank reads its shard of the prefix once
+per step whatever the number of lines, and a token's bits do not depend on how deep the others
+read (Ring: the prefix cut at the distinct keeps into segments, one ring pass each). Tree: the local prefix and row
 states are merged on each rank and cross the ranks in one reduction (the merge is
 associative: seed paper, §4). A short line's tokens are stored on their owners first and
 attended there as the row's keys (each query bounded by its position); a long chunk's own
@@ -60,6 +61,8 @@ class PrefixGroup:
     tokens: Tensor
     first: list[int]
     ends: list[int] = field(default_factory=list)  # this rank's slots below each keep
+    end: Tensor | None = None  # [1, len(tokens)] (device): each token's ends[j]
+    whole: list = field(default_factory=list)  # all tokens [(sel, pos or None, wide)] by prefix path (Tree)
     sels: list = field(default_factory=list)  # segment j's tokens: a slice where contiguous, else device indices
     parts: list = field(default_factory=list)  # segment j's [(sel, pos or None, wide)]: its tokens by prefix path
 
@@ -118,10 +121,13 @@ class RowsStep:
             g.parts = [
                 _parts(g.tokens[f:], wide[g.tokens[f:]], sel, dev) for f, sel in zip(g.first, g.sels, strict=True)
             ]
+            n = torch.diff(torch.tensor(g.first + [len(g.tokens)]))
+            g.end = torch.tensor(g.ends).repeat_interleave(n).reshape(1, -1).to(dev)
+            g.whole = _parts(g.tokens, wide[g.tokens], g.sels[0], dev) if g.first else []
 
     def starts(self, window: int | None) -> tuple[list, list]:
         """Under a sliding window: each group's ``kv_start`` per segment (``[1, m_j]``, relative to
-        the segment) and each shape's ``[n, T]``."""
+        the segment; the last entry: ``[1, m]`` over all its slots) and each shape's ``[n, T]``."""
         if window is None:
             return [None] * len(self.groups), [None] * len(self.shapes)
         if window not in self._win:
@@ -129,7 +135,8 @@ class RowsStep:
             gs = []
             for g in self.groups:  # per segment [1, m_j]: the window's first slot within the segment
                 st = g.cache.slots_before(lo[g.tokens].reshape(1, -1))
-                gs.append([(st[:, g.first[j] :] - a).clamp(0, b - a).to(dev) for j, a, b in g.segments()])
+                gs.append([(st[:, g.first[j] :] - a).clamp(0, b - a).to(dev) for j, a, b in g.segments()]
+                          + [st.clamp(0, g.local).to(dev)])  # fmt: skip
             ss = [self.rows.slots_before(s.rows, lo[s.idx]).to(dev) for s in self.shapes]
             self._win[window] = (gs, ss)
         return self._win[window]
@@ -166,19 +173,18 @@ class RowsStep:
                 o, l_ = row_state(qs, ks, vs, s.dev["lens"], st, scale, softcap, s.dev.get("end"))
             out[0, :, sel], lse[0, :, sel] = _flat(o), _flat(l_)
         for g, st in zip(self.groups, g_starts, strict=True):
-            for j, a, b in g.segments():  # every rank the same segments (ring: the same calls)
-                t, sj = g.sels[j], None if st is None else st[j]
-                if ring:
-                    kp, vp = _prefix(g, layer, a, b)
-                    lens = torch.full((1,), b - a, device=q.device)
-                    o, l_ = ring_decode(q[:, :, t], kp, vp, kv_lens=lens, kv_start=sj, **kw)
-                    o = o.to(acc)
+            if not ring:  # one pass over this rank's slots of the prefix, each token to its own keep
+                for t, pos, wide in g.whole if g.local else ():
+                    sp, en = (x if x is None or pos is None else x[:, pos] for x in (None if st is None else st[-1], g.end))
+                    o, l_ = prefix_state(q[:, :, t], g, layer, sp, scale, softcap, 0, g.local, wide=wide, end=en)
                     _merge_at(out, lse, t, o, l_)
-                elif b > a:
-                    for t, pos, wide in g.parts[j]:
-                        sp = sj if sj is None or pos is None else sj[:, pos]
-                        o, l_ = prefix_state(q[:, :, t], g, layer, sp, scale, softcap, a, b, wide=wide)
-                        _merge_at(out, lse, t, o, l_)
+                continue
+            for j, a, b in g.segments():  # every rank the same segments: the same ring calls
+                t, sj = g.sels[j], None if st is None else st[j]
+                kp, vp = _prefix(g, layer, a, b)
+                lens = torch.full((1,), b - a, device=q.device)
+                o, l_ = ring_decode(q[:, :, t], kp, vp, kv_lens=lens, kv_start=sj, **kw)
+                _merge_at(out, lse, t, o.to(acc), l_)
         if ring:
             return out.to(q.dtype)
         out, lse = reduce_states(out, lse, group=self.group, strategy=self.strategy)
@@ -199,25 +205,30 @@ def row_state(q: Tensor, k: Tensor, v: Tensor, lens: Tensor, start, scale, softc
 
 
 def prefix_state(q: Tensor, g: PrefixGroup, layer: int, start, scale, softcap, a: int, b: int,
-                 wide: bool = False) -> tuple[Tensor, Tensor]:  # fmt: skip
+                 wide: bool = False, end: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
     """This rank's state of tokens ``q [1, Hq, m, D]`` of group ``g`` over its prefix slots
-    ``[a, b)`` (``start [1, m]``: each token's first slot, relative to ``a``; None: 0): one pass
-    over them for all the tokens. ``wide`` (the tokens of prompt chunks): through the prefill kernel
-    where it applies (:mod:`treeattn.ops._prefill_cpu`, float32, AVX-512), else the decode
-    path; a token's result depends on its own query and keys alone either way."""
+    ``[a, b)`` (``start``, ``end [1, m]``: each token's first slot and the slot it stops
+    before, relative to ``a``; None: 0 and ``b - a``): one pass over them for all the tokens.
+    ``wide`` (the tokens of prompt chunks): through the prefill kernel where it applies
+    (:mod:`treeattn.ops._prefill_cpu`, float32, AVX-512), else the decode path; a token's
+    result depends on its own query, bounds and keys alone either way."""
     kp, vp = _prefix(g, layer, a, b)
     if wide and q.device.type == "cpu":
-        st = None if start is None else start.reshape(-1)
-        r = prefill_states(q, kp, vp, st, None, scale, softcap, "auto", min_fill=0.0, min_work=0, check=False)
+        st, en = (None if x is None else x.reshape(-1) for x in (start, end))
+        r = prefill_states(q, kp, vp, st, en, scale, softcap, "auto", min_fill=0.0, min_work=0, check=False)
         if r is not None:
             o, l_ = r
-            seen = l_ if st is None else l_.masked_fill(st >= b - a, 0.0)  # -inf: only where no key is seen
+            if st is None and en is None:
+                seen = l_
+            else:  # -inf: only where no key is seen
+                seen = l_.masked_fill((0 if st is None else st) >= (b - a if en is None else en), 0.0)
             if math.isfinite(float(o.sum() + seen.sum())):
                 return o, l_
     # the decode path is decode_cpu however many tokens share the call (auto would hand many rows
     # with windows to flash_cpu: other rounding); a row's result there depends on its own bounds only
     be = "decode_cpu" if q.device.type == "cpu" else "auto"
-    return _attention(q, kp, vp, scale=scale, kv_start=start, softcap=softcap, keep_fp32=True, backend=be)
+    return _attention(q, kp, vp, scale=scale, kv_start=start, kv_end=end, softcap=softcap, keep_fp32=True,
+                      backend=be)  # fmt: skip
 
 
 def _parts(tokens: Tensor, wide: Tensor, sel, dev) -> list[tuple]:
