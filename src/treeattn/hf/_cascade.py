@@ -61,10 +61,9 @@ class PrefixGroup:
     tokens: Tensor
     first: list[int]
     ends: list[int] = field(default_factory=list)  # this rank's slots below each keep
-    end: Tensor | None = None  # [1, len(tokens)] (device): each token's ends[j]
+    end: Tensor | None = None  # [1, len(tokens)] (device): each token's ends[j] (None: one keep)
     whole: list = field(default_factory=list)  # all tokens [(sel, pos or None, wide)] by prefix path (Tree)
     sels: list = field(default_factory=list)  # segment j's tokens: a slice where contiguous, else device indices
-    parts: list = field(default_factory=list)  # segment j's [(sel, pos or None, wide)]: its tokens by prefix path
 
     @property
     def local(self) -> int:
@@ -118,11 +117,9 @@ class RowsStep:
         for g in self.groups:
             g.ends = g.cache.slots_before(torch.tensor([g.keeps]))[0].tolist()
             g.sels = [_sel(g.tokens[f:], dev) for f in g.first]
-            g.parts = [
-                _parts(g.tokens[f:], wide[g.tokens[f:]], sel, dev) for f, sel in zip(g.first, g.sels, strict=True)
-            ]
-            n = torch.diff(torch.tensor(g.first + [len(g.tokens)]))
-            g.end = torch.tensor(g.ends).repeat_interleave(n).reshape(1, -1).to(dev)
+            if len(g.keeps) > 1:  # one keep: every token reads all of g.local
+                n = torch.diff(torch.tensor(g.first + [len(g.tokens)]))
+                g.end = torch.tensor(g.ends).repeat_interleave(n).reshape(1, -1).to(dev)
             g.whole = _parts(g.tokens, wide[g.tokens], g.sels[0], dev) if g.first else []
 
     def starts(self, window: int | None) -> tuple[list, list]:
