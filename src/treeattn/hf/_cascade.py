@@ -6,12 +6,12 @@ row: one token for a decoding request, a token and its draft to verify, a chunk 
 request's prompt. Each token reads the first ``keep`` tokens of its row's shared prefix (a
 :class:`~treeattn.cache.ShardedKVCache` of one sequence), the row's own earlier tokens (a
 :class:`~treeattn.cache.RowCache`), and the earlier tokens of its line (causal). The tokens
-that read the same prefix attend to it together, whatever their ``keep``: the prefix is cut
-for Tree in one pass over this rank's slots of it, each token bounded by its own keep (and
-window), their queries folded into one block, so each rank reads its shard of the prefix once
-per step whatever the number of lines, and a token's bits do not depend on how deep the others
-read (Ring: the prefix cut at the distinct keeps into segments, one ring pass each). Tree: the local prefix and row
-states are merged on each rank and cross the ranks in one reduction (the merge is
+that read the same prefix attend to it together, whatever their ``keep``. Tree: in one pass
+over this rank's slots of it, each token bounded by its own keep (and window), their queries
+folded into one block, so each rank reads its shard of the prefix once per step whatever the
+number of lines, and a token's bits do not depend on how deep the others read (Ring: the
+prefix is cut at the distinct keeps into segments, one ring pass each). The local prefix
+and row states are merged on each rank and cross the ranks in one reduction (the merge is
 associative: seed paper, §4). A short line's tokens are stored on their owners first and
 attended there as the row's keys (each query bounded by its position); a long chunk's own
 tokens, identical on every rank, are merged after the reduction. Ring: each part's K/V goes
