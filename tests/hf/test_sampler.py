@@ -36,3 +36,15 @@ def test_greedy_sampling_and_warpers():
     assert len(d) == 64 and set(d) == {1, 2} and 0 <= s.rand() < 1
     with pytest.raises(ValueError):
         Sampler(True, temperature=-1.0)
+
+
+@pytest.mark.parametrize("t", [1e-45, 1e-300, 1e-20, 1e-5])
+def test_a_tiny_temperature_samples_the_maximum(t):
+    """logits / 1e-45 overflow float32 (the softmax was NaN, the server's answer a 500): below
+    1e-4 the scores are shifted by their maximum first, the same distribution."""
+    logits = torch.tensor([[3.0, 9.0, -2.0, 8.9], [50.0, 1.0, 2.0, 3.0]])
+    s = Sampler(True, temperature=t, seed=3)
+    p = s.probs(logits)
+    assert torch.isfinite(p).all() and torch.equal(p, torch.nn.functional.one_hot(logits.argmax(-1), 4).float())
+    assert s.pick(logits).tolist() == [1, 0]
+    assert [s.next(x) for x in logits] == [1, 0]

@@ -161,6 +161,31 @@ def test_client_hangs_up_mid_stream(server, client):
     assert "Paris" in _ask(client, CHAT).choices[0].message.content  # still serving, in lockstep
 
 
+def test_client_hangs_up_on_a_whole_answer(server):
+    """A request that is not streamed, whose client leaves while its tokens still come, is
+    cancelled within a step or so and frees its row (the disconnect check does not wait for a
+    pause in the tokens)."""
+    import http.client
+    import json
+    from urllib.parse import urlsplit
+
+    before = _health(server)
+    u = urlsplit(server.url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    body = {"model": NAME, "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+            "max_tokens": 400, "temperature": 0}  # fmt: skip
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    deadline = time.monotonic() + 60
+    while _health(server)["decode_tokens"] - before["decode_tokens"] < 8 and time.monotonic() < deadline:
+        time.sleep(0.1)  # its tokens come
+    conn.close()  # hang up
+    while _health(server)["cancelled"] == before["cancelled"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    after = _health(server)
+    assert after["cancelled"] == before["cancelled"] + 1 and after["running"] == 0, (before, after)
+    assert after["decode_tokens"] - before["decode_tokens"] < 200  # it stopped early
+
+
 @pytest.mark.parametrize(
     "body, status, where",
     [

@@ -14,6 +14,19 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
+# Below this temperature the scores are shifted by their maximum before the division (the same
+# distribution): logits / 1e-45 overflow to inf and the softmax to NaN. Above it transformers'
+# own warper runs, bit for bit (logits would have to exceed ~3e34 to overflow).
+_SHIFT_BELOW = 1e-4
+
+
+class _ShiftedTemperature:
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self, ids: Tensor, scores: Tensor) -> Tensor:
+        return ((scores - scores.amax(-1, keepdim=True)).double() / self.t).to(scores.dtype)  # t: maybe under float32's range
+
 
 class Sampler:
     """Greedy (``sample`` False: the argmax, the first of equal maxima as in torch and
@@ -34,7 +47,9 @@ class Sampler:
         self.gen = torch.Generator(device=device or "cpu").manual_seed(seed)
         w = self.warpers = LogitsProcessorList()
         if sample:
-            if temperature != 1.0:
+            if 0 < temperature < _SHIFT_BELOW:
+                w.append(_ShiftedTemperature(temperature))
+            elif temperature != 1.0:
                 w.append(TemperatureLogitsWarper(temperature))
             if top_k:
                 w.append(TopKLogitsWarper(top_k))

@@ -237,6 +237,23 @@ def _job(state: ServerState, body) -> Job:
                stop=[s for s in stop if s], eos=state.eos)  # fmt: skip
 
 
+class _Auth:
+    """ASGI middleware: ``/v1/`` wants ``Authorization: Bearer <key>``. Plain ASGI, not
+    ``@app.middleware`` (Starlette's BaseHTTPMiddleware): through that, an endpoint never sees
+    its client hang up (``request.is_disconnected()`` stays False)."""
+
+    def __init__(self, app, key: str) -> None:
+        self.app, self.want = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not secrets.compare_digest(got, self.want):
+                r = _error(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
+                return await r(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="treeattn serve", docs_url=None, redoc_url=None)
 
@@ -260,13 +277,8 @@ def build_app(state: ServerState) -> FastAPI:
             e.status_code, str(e.detail), type="invalid_request_error" if e.status_code < 500 else "server_error"
         )
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if state.api_key and request.url.path.startswith("/v1/"):
-            got = request.headers.get("authorization", "")
-            if not secrets.compare_digest(got.encode(), f"Bearer {state.api_key}".encode()):
-                return _error(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
-        return await call_next(request)
+    if state.api_key:
+        app.add_middleware(_Auth, key=state.api_key)
 
     @app.get("/health")
     async def health():
@@ -313,15 +325,19 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
-async def _next(events: asyncio.Queue, job: Job, request: Request | None):
-    """The next event; when ``request`` is given, a client that left cancels the job."""
+async def _next(events: asyncio.Queue, job: Job, request: Request | None, seen: list[float]):
+    """The next event; when ``request`` is given, a client that left cancels the job: checked
+    every 0.5 s (``seen[0]``: the last check), whether or not events keep coming."""
     while True:
+        if request is not None and time.monotonic() - seen[0] >= 0.5:
+            seen[0] = time.monotonic()
+            if await request.is_disconnected():
+                job.cancelled.set()
+                return ("error", (499, "client closed the request"))
         try:
             return await asyncio.wait_for(events.get(), 0.5)
         except TimeoutError:
-            if request is not None and await request.is_disconnected():
-                job.cancelled.set()
-                return ("error", (499, "client closed the request"))
+            pass
 
 
 def _usage(end: dict) -> dict:
@@ -339,9 +355,9 @@ def _fail(status: int, msg: str) -> dict:
 
 
 async def _whole(job: Job, events: asyncio.Queue, request: Request, head: dict, chat: bool):
-    parts = []
+    parts, seen = [], [time.monotonic()]
     while True:
-        kind, data = await _next(events, job, request)
+        kind, data = await _next(events, job, request, seen)
         if kind == "text":
             parts.append(data)
         elif kind == "error":
@@ -366,7 +382,7 @@ async def _stream(job: Job, events: asyncio.Queue, head: dict, chat: bool, usage
 
     try:
         while True:
-            kind, data = await _next(events, job, None)
+            kind, data = await _next(events, job, None, [0.0])
             if kind == "start":
                 if chat:
                     yield chunk(None, None, first=True)
