@@ -169,7 +169,8 @@ def launch(
         if failed is not None:
             errs = {int(f.stem): f.read_text().split("\n", 1) for f in Path(errdir).glob("*.txt")}
             if failed[0] not in errs:  # the first rank to die left no traceback: killed or crashed
-                r, how, text = failed[0], f"{_exit_code(failed[1])}, killed or crashed without a traceback", ""
+                oom = " (out of memory? Linux's OOM killer sends SIGKILL: see dmesg)" if failed[1] == -9 else ""
+                r, how, text = failed[0], f"{_exit_code(failed[1])}, killed or crashed without a traceback{oom}", ""
                 if errs:
                     o = min(errs, key=lambda x: int(errs[x][0]))
                     text = f"(then rank {o} failed with:)\n{errs[o][1]}"
