@@ -199,6 +199,7 @@ def test_client_hangs_up_on_a_whole_answer(server):
         ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs"),
         ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "tools": []}, 400, "tools"),
         ({"model": NAME, "prompt": [49152]}, 400, "[0, 49152)"),
+        ({"model": NAME, "prompt": [[1, 2], [3, 4]]}, 400, "not a list of prompts"),
         ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "does not exist"),
     ],
 )

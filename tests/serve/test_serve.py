@@ -445,7 +445,7 @@ def _hostile() -> list[tuple[str, str, dict | bytes]]:
     huge = [2**31 + 1, 2**63 - 1, 2**63, 2**64, 2**80, -(2**63) - 1, -(2**80)]
     wrong = [1.5, "3", True, [1], {}]
     prompts = [[-1], [512], [513], [2**31], *([i] for i in huge), [1.5], ["5"], [True], [None], [], [[1]], "", "hi",
-               "\x00", "\u202eabc", "\U0001f600", "\ud800", "a" * 100_000, {"a": 1}, None,
+               "\x00", "\u202eabc", "\U0001f600", "\ud800", "a" * 100_000, {"a": 1}, None, [[1, 2], [3, 4]], ["a", "b"],
                [7] * ((1 << 20) + 1)]  # fmt: skip
     out = []
     for k, values in {
@@ -457,7 +457,7 @@ def _hostile() -> list[tuple[str, str, dict | bytes]]:
         "stop": [5, ["a"] * 5, "x" * 5000, ["\ud800"], [None]],
         "prompt": prompts,
         "model": ["nope", "\u202e", "\ud800", 5, None],
-        "stream": ["maybe", [1]],
+        "stream": ["maybe", [1], "yes", 1],
         "logprobs": [5],
         "\ud800": [1],  # an unknown field whose name is not valid Unicode
     }.items():
@@ -509,7 +509,8 @@ def test_hostile_requests_leave_the_ranks_alone(tiny_server):
     assert _ids_of(text) == [t for t in ref if t != 2]
     base = {"model": MODEL, "prompt": ids, "max_tokens": 3, "temperature": 1.5}
     for odd in ({"seed": -1}, {"seed": 2**63 - 1}, {"seed": -(2**63)}, {"prompt": [511, 0]},
-                {"stop": ["\x00", "\U0001f600", "\u202e"]}, {"prompt": [5] * 60}):  # fmt: skip
+                {"stop": ["\x00", "\U0001f600", "\u202e"]}, {"prompt": [5] * 60}, {"temperature": 1e-45},
+                {"temperature": 1e-300}):  # fmt: skip
         st, got = s.request("POST", "/v1/completions", {**base, **odd})
         assert st == 200 and got["choices"][0]["finish_reason"] in ("stop", "length"), (odd, got)
     st, got = s.request("POST", "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 12, "temperature": 0})

@@ -17,7 +17,9 @@ gets its 400 without touching the running one (and no value can overflow the int
   (``"\\ud800"`` in the JSON) is a 400. A string prompt (or the messages together) may have at
   most ``CHARS_PER_POSITION`` (64) characters per model position; longer ones are refused
   before tokenizing. A stop string has at most ``MAX_STOP_CHARS`` (1024) characters, 4 at most.
-- integers must be JSON integers (not ``true``, ``"3"`` or ``1.5``); floats may be integers.
+- integers must be JSON integers (not ``true``, ``"3"`` or ``1.5``); floats may be integers;
+  booleans (``stream``, ``include_usage``) JSON booleans (not ``"yes"`` or ``1``). A
+  completion takes one prompt (a list of prompts is a 400).
 
 A body that is not JSON, or nests too deeply to parse, is a 400 too; error bodies are ASCII
 JSON, so an odd character in a request never makes its error unprintable.
@@ -84,10 +86,13 @@ def _seed(v: int) -> int:
     return v
 
 
-def _either(one: str, many: str, what: str) -> Discriminator:
-    """A string or a list: the errors of the member the value's JSON type picks, no other's."""
+def _either(one: str, many: str, what: str, nested: bool = True) -> Discriminator:
+    """A string or a list: the errors of the member the value's JSON type picks, no other's
+    (``nested`` False: a list of lists or strings is neither)."""
 
     def pick(v):
+        if isinstance(v, list) and not nested and v and isinstance(v[0], list | str):
+            return None
         return one if isinstance(v, str) else many if isinstance(v, list) else None
 
     return Discriminator(pick, custom_error_type="union_type", custom_error_message=f"Input should be {what}")
@@ -95,6 +100,7 @@ def _either(one: str, many: str, what: str) -> Discriminator:
 
 Text = Annotated[str, Field(strict=True), AfterValidator(_unicode)]
 Int = Annotated[int, Field(strict=True)]  # a JSON integer: not true, "3" or 1.5
+Bool = Annotated[bool, Field(strict=True)]  # a JSON true or false: not "yes" or 1
 Count = Annotated[int, Field(strict=True, ge=1, le=MAX_NEW_TOKENS)]
 Stop = Annotated[str, Field(strict=True, max_length=MAX_STOP_CHARS), AfterValidator(_unicode)]
 TokenId = Annotated[int, Field(strict=True, ge=0, lt=2**63)]  # then below the vocabulary (_ids)
@@ -117,7 +123,7 @@ class Message(_Strict):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 class _Sampling(_Strict):
@@ -129,7 +135,7 @@ class _Sampling(_Strict):
     stop: Annotated[Annotated[Stop, Tag("one")] | Annotated[list[Stop], Field(max_length=4), Tag("list")],
                     _either("one", "list", "a string or a list of up to 4 strings")] | None = None  # fmt: skip
     n: Literal[1] = 1
-    stream: bool = False
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     frequency_penalty: Literal[0] = 0
@@ -144,7 +150,8 @@ class ChatRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: Annotated[Annotated[Text, Tag("text")] | Annotated[list[TokenId], Field(min_length=1), Tag("ids")],
-                      _either("text", "ids", "a string or a list of token ids")]  # fmt: skip
+                      _either("text", "ids", "a string or a list of token ids (one prompt a request: not a list "
+                              "of prompts)", nested=False)]  # fmt: skip
     logprobs: None = None
     echo: Literal[False] = False
 
