@@ -26,7 +26,7 @@
 int treeattn_decode(const float *q, const uint16_t *qb, float scale, const void *k, const void *v, int dtype,
                     int64_t B, int64_t H, int64_t R, int64_t S, int64_t D, int64_t Dv, int64_t ksb, int64_t ksh,
                     int64_t kss, int64_t vsb, int64_t vsh, int64_t vss, const int64_t *lo, const int64_t *hi,
-                    float softcap, int nthreads, int64_t block, int64_t min_split, float *out, float *lse);
+                    float softcap, int nthreads, int64_t block, int64_t split, float *out, float *lse);
 
 static double now(void) {
     struct timespec t;

@@ -120,15 +120,38 @@ def test_gap_between_row_ranges_is_never_read():
 @pytest.mark.parametrize("dtype,R", [(torch.float32, 4), (torch.bfloat16, 1), (torch.bfloat16, 4)])
 def test_threads_split_matches_one_thread(monkeypatch, dtype, R):
     monkeypatch.setattr(DC, "_MIN_BYTES_PER_THREAD", 0)
-    monkeypatch.setattr(DC, "_MIN_SPLIT", 64)
+    monkeypatch.setattr(DC, "_SPLIT", 64)
     qg = torch.randn(1, 1, R, 64)
     k, v = torch.randn(1, 1, 5000, 64).to(dtype), torch.randn(1, 1, 5000, 64).to(dtype)
     o1, l1 = decode_cpu(qg, k, v, 0.1, threads=1)
     for t in (2, 3, 7):
         o, l = decode_cpu(qg, k, v, 0.1, threads=t)
-        assert (o - o1).abs().max() < 1e-5 and (l - l1).abs().max() < 1e-5
+        assert torch.equal(o, o1) and torch.equal(l, l1)  # the same splits, merged in the same order
     ro, rl = ref_rows(qg, k, v, 0.1, torch.zeros(1, R, dtype=torch.long), torch.full((1, R), 5000), None)
     assert max_err(o1, ro) < 1e-5 and max_err(l1, rl) < 1e-5
+
+
+@pytest.mark.parametrize("dtype,R", [(torch.float32, 1), (torch.float32, 4), (torch.bfloat16, 3), (torch.bfloat16, 8)])
+def test_a_sequences_bits_do_not_depend_on_threads_other_sequences_or_padding(monkeypatch, dtype, R):
+    """A sequence of 2,300 keys (three splits of 1,024) alone on one thread, then alone and in
+    calls of 3 and 5 sequences, S padded to 3,600, on 1-3 threads: the same bits (a batched
+    server's rows read their keys as one request alone does, with any number of threads)."""
+    monkeypatch.setattr(DC, "_MIN_BYTES_PER_THREAD", 0)
+    monkeypatch.setattr(DC, "_SPLIT", 1024)
+    g = torch.Generator().manual_seed(R)
+    n, S = 2300, 3600
+    q = torch.randn(5, 1, R, 64, generator=g)
+    k, v = (torch.randn(5, 1, S, 64, generator=g).to(dtype) for _ in range(2))
+    lo = torch.zeros(5, R, dtype=torch.long)
+    hi = torch.tensor([n, 3000, 300, 3600, 1100]).view(5, 1).expand(5, R).contiguous()
+    lo[:, -1] = 700  # the last row starts in the first split and ends in the third
+    o1, l1 = decode_cpu(q[:1], k[:1, :, :n], v[:1, :, :n], 0.125, lo[:1], hi[:1], threads=1)
+    for B in (1, 3, 5):
+        for t in (1, 2, 3):
+            o, l = decode_cpu(q[:B], k[:B], v[:B], 0.125, lo[:B], hi[:B], threads=t)
+            assert torch.equal(o[:1], o1) and torch.equal(l[:1], l1), (B, t)
+    ro, rl = ref_rows(q[:1], k[:1, :, :n], v[:1, :, :n], 0.125, lo[:1], hi[:1], None)
+    assert max_err(o1, ro) < (1e-2 if dtype == torch.bfloat16 else 1e-5) and max_err(l1, rl) < 1e-4
 
 
 @pytest.mark.parametrize("dtype,R", [(torch.float32, 4), (torch.bfloat16, 1), (torch.bfloat16, 4)])
@@ -137,7 +160,7 @@ def test_nan_key_in_one_split_poisons_its_rows(monkeypatch, dtype, R, fallback):
     """A NaN key in one thread's part of S (or in the pure-PyTorch fallback) makes the rows
     that see it NaN after the merge of the parts; rows that do not see it stay exact."""
     monkeypatch.setattr(DC, "_MIN_BYTES_PER_THREAD", 0)
-    monkeypatch.setattr(DC, "_MIN_SPLIT", 64)
+    monkeypatch.setattr(DC, "_SPLIT", 64)
     if fallback:
         monkeypatch.setattr(DC, "_state", {})
         monkeypatch.setenv("TREEATTN_NO_CKERNEL", "1")

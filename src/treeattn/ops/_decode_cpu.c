@@ -1,7 +1,8 @@
 /* Streaming decode attention for CPU: one pass over each KV head's K/V serves all
  * R = G*Tq query rows of that head (GQA).  Online softmax over blocks of keys, float32
  * accumulation.  Each row r only touches keys in [lo[r], hi[r]); keys outside every row's
- * range are never read.  Threads (pthreads) split B*H and S; partial states are merged here.
+ * range are never read.  S is cut in splits of a fixed size; (sequence, head, split) tasks go to
+ * pthreads and each row's partial states are merged in order here.
  *
  * Fast path (AVX2+FMA, float32/bfloat16, D and Dv multiples of 8), software-pipelined: the
  * loop that accumulates block b's values also computes block b+1's scores, one key at a
@@ -1261,24 +1262,19 @@ int treeattn_features(void) {
 int treeattn_decode(const float *q, const uint16_t *qb, float scale, const void *k, const void *v, int dtype,
                     int64_t B, int64_t H, int64_t R, int64_t S, int64_t D, int64_t Dv, int64_t ksb, int64_t ksh,
                     int64_t kss, int64_t vsb, int64_t vsh, int64_t vss, const int64_t *lo, const int64_t *hi,
-                    float softcap, int nthreads, int64_t block, int64_t min_split, float *out, float *lse) {
+                    float softcap, int nthreads, int64_t block, int64_t split, float *out, float *lse) {
     if (dtype < 0 || dtype > 2 || B < 0 || H < 0 || R < 0 || S < 0 || D <= 0 || Dv <= 0 || block <= 0)
         return 2;
     if (nthreads < 1) nthreads = 1;
-    if (min_split < block) min_split = block;
+    if (split < block) split = block;
     const int64_t BH = B * H;
     if (BH * R == 0) return 0;
-    /* split S so that there are >= nthreads tasks, each >= min_split keys */
-    int64_t nsplit = 1;
-    if (BH < nthreads && S > min_split) {
-        nsplit = (nthreads + BH - 1) / BH;
-        if (nsplit > S / min_split) nsplit = S / min_split;
-        if (nsplit < 1) nsplit = 1;
-    }
-    int64_t chunk = (S + nsplit - 1) / nsplit;
-    chunk = (chunk + block - 1) / block * block;
-    if (chunk == 0) chunk = 1;
-    nsplit = S ? (S + chunk - 1) / chunk : 1;
+    /* S in splits of a fixed size (a multiple of the block) whatever B, H, R, S and the threads:
+     * a row's blocks, splits and merge order, hence its bits, depend on its own key range alone
+     * (not on the other sequences of the call, the padded S or the thread count) */
+    int64_t chunk = (split + block - 1) / block * block;
+    int64_t nsplit = S ? (S + chunk - 1) / chunk : 1;
+    if (nsplit == 1) chunk = S ? S : 1;
     job_t J = {q, qb, scale, k, v, dtype, B, H, R, S, D, Dv, ksb, ksh, kss, vsb, vsh, vss, lo, hi, softcap,
                nsplit, chunk, block, NULL, NULL, NULL, BH * nsplit, nthreads};
     if (J.nthreads > J.ntasks) J.nthreads = (int)J.ntasks;
