@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ._argtypes import at_least
+from ._argtypes import at_least, positive_float
 from .comm.strategies import STRATEGIES
 
 
@@ -58,7 +58,7 @@ def add_model_args(g: argparse.ArgumentParser) -> None:
                    "kernel, else oneDNN's; faster, and a row's result does not depend on its batch) or torch (the "
                    "model's own nn.Linear)")  # fmt: skip
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: one GPU per rank, NCCL (torchrun)")
-    g.add_argument("--collective-timeout", type=float, default=120.0,
+    g.add_argument("--collective-timeout", type=positive_float, default=120.0,
                    help="seconds a collective may wait for a peer before every rank fails (default 120)")  # fmt: skip
 
 

@@ -135,6 +135,7 @@ MISMATCHES = [
     ("Tq", lambda d: make(Tq=1)),
     ("dtype", lambda d: make(dtype=torch.bfloat16)),
     ("scale", lambda d: {**d, "scale": 0.5}),  # vs the default (None) elsewhere
+    ("scale", lambda d: {**d, "scale": 0.0}),  # None was sent as 0 (the bits of 0.0): they agreed
     ("strategy", lambda d: {**d, "strategy": "allreduce2"}),
     ("new tokens", lambda d: _drop(d, "new_k", "new_v")),
     ("new_mask", lambda d: {**d, "new_mask": torch.ones(3, 3, dtype=torch.bool).tril()}),  # given vs default
@@ -196,6 +197,11 @@ def validation_worker() -> None:
             # the group is not broken: a normal call still works
             again = treeattn.ring_decode(**good) if ring else treeattn.tree_decode(**good, strategy="allgather")
             assert torch.equal(again, want_ring if ring else want), f"{tag}: the next call differs"
+    # the default scale given explicitly on one rank is the same scale: no disagreement
+    kw = {**good, "strategy": "allgather"}
+    if rank == 1:
+        kw["scale"] = kw["q"].shape[-1] ** -0.5
+    assert torch.equal(treeattn.tree_decode(**kw), want)
     dist.barrier()
 
 

@@ -104,6 +104,10 @@ def test_prompt_text_without_tokenizer(capsys, short_model):
     assert "tokenizer" in _run(capsys, "--model", str(short_model), "--prompt", "hello")
 
 
+def test_empty_prompt_ids(capsys):
+    assert "--prompt-ids must be comma-separated integers, got ''" in _run(capsys, "--prompt-ids", "")
+
+
 def test_system_needs_chat(capsys):
     assert "--system needs --chat" in _run(capsys, "--system", "be brief", "--prompt-ids", "1,2")
 
@@ -132,6 +136,13 @@ def test_compare_single_refuses_sampling(capsys):
         ("serve", ["--prefill", "bogus"], "--prefill: invalid choice: 'bogus'"),
         ("serve", ["--port", "-1"], "--port: must be >= 0, got -1"),
         ("generate", ["--threads", "x"], "--threads: not an integer: 'x'"),
+        ("generate", ["--temperature", "-0.5"], "--temperature: must be a finite number >= 0, got -0.5"),
+        ("generate", ["--temperature", "nan"], "--temperature: must be a finite number, got nan"),
+        ("generate", ["--top-p", "1.5"], "--top-p: must be in (0, 1], got 1.5"),
+        ("generate", ["--top-p", "0"], "--top-p: must be in (0, 1], got 0"),
+        ("generate", ["--timeout", "0"], "--timeout: must be a finite number > 0, got 0"),
+        ("generate", ["--collective-timeout", "0"], "--collective-timeout: must be a finite number > 0, got 0"),
+        ("serve", ["--collective-timeout", "-1"], "--collective-timeout: must be a finite number > 0, got -1"),
         ("demo", ["--nproc", "0"], "--nproc: must be >= 1, got 0"),
         ("demo", ["--seq", "0"], "--seq: must be >= 1, got 0"),
         ("merge-demo", ["--nproc", "0"], "--nproc: must be >= 1, got 0"),

@@ -36,6 +36,9 @@ def test_greedy_sampling_and_warpers():
     assert len(d) == 64 and set(d) == {1, 2} and 0 <= s.rand() < 1
     with pytest.raises(ValueError):
         Sampler(True, temperature=-1.0)
+    for bad in (dict(top_p=1.5), dict(top_p=0.0), dict(typical_p=2.0), dict(top_p=float("nan"))):
+        with pytest.raises(ValueError, match="must be a float in"):
+            Sampler(True, **bad)
 
 
 @pytest.mark.parametrize("t", [1e-45, 1e-300, 1e-20, 1e-5])

@@ -96,6 +96,12 @@ def test_empty_rows_and_shards(backend):
     assert torch.isneginf(lse[..., :2]).all() and (out[..., :2, :] == 0).all()
     assert torch.isfinite(lse[..., 2]).all()
     assert_within_tolerance(out, lse, q, k, v, kv_lens=torch.tensor([1]), causal=True)
+    # no queries (Tq = 0) or no sequences (B = 0), with per-sequence bounds: empty results
+    for B, Tq in ((2, 0), (0, 3)):
+        q, k, v = make(B, 4, 2, Tq, 8, 16)
+        for kw in ({"kv_lens": torch.full((B,), 5)}, {"kv_start": torch.full((B,), 2)}):
+            out, lse = attention_with_lse(q, k, v, backend=backend, **kw)
+            assert out.shape == q.shape and lse.shape == q.shape[:3], (B, Tq, kw)
 
 
 def test_value_head_dim_may_differ():
@@ -151,7 +157,9 @@ BAD = [
     ("q contains NaN", lambda q, k, v: dict(q=q.clone().fill_(float("nan")))),
     ("backend must be one of", lambda q, k, v: dict(backend="cuda-magic")),
     ("scale must be a finite", lambda q, k, v: dict(scale=float("inf"))),
-    ("floating dtype", lambda q, k, v: dict(q=q.long(), k=k.long(), v=v.long())),
+    ("float16, bfloat16, float32 or float64", lambda q, k, v: dict(q=q.long(), k=k.long(), v=v.long())),
+    ("got torch.float8_e4m3fn", lambda q, k, v: {n: t.to(torch.float8_e4m3fn) for n, t in zip("qkv", (q, k, v), strict=True)}),
+    ("scale must be a finite", lambda q, k, v: dict(scale=True)),
 ]
 
 

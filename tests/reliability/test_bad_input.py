@@ -184,7 +184,7 @@ CASES = {
     "tree batch differs": (_tree(lambda d: {**d, "k": d["k"][:1], "v": d["v"][:1]}), ONE, ValueError,
                            ["batch size: q has B=2, k has 1, v has 1"]),
     "tree q integer": (_tree(lambda d: {**d, "q": d["q"].long()}), ONE, ValueError,
-                       ["q must be a floating dtype, got torch.int64"]),
+                       ["q must be float16, bfloat16, float32 or float64, got torch.int64"]),
     "ring inf in q": (_ring(_inf_q), ONE, ValueError, ["q contains NaN or inf"]),
     "tree new_v dtype differs": (_tree(lambda d: {**d, "new_v": d["new_v"].double()}), ONE, ValueError,
                                  ["new_v must match q's dtype/device torch.float32/cpu, got torch.float64/cpu"]),

@@ -1,5 +1,5 @@
 """transformers integration (extra ``[hf]``): the ``"treeattn"`` attention implementation,
-a Cache over :class:`treeattn.ShardedKVCache`, and :func:`generate` across ranks."""
+a Cache over :class:`treeattn.cache.ShardedKVCache`, and :func:`generate` across ranks."""
 
 from .attention import ATTN_NAME, StepContext, TreeAttnCache, treeattn_attention
 from .families import unsupported_reason

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .._argtypes import at_least
+from .._argtypes import at_least, fraction, non_negative_float, positive_float
 from ..model_cli import (
     UsageError,
     add_model_args,
@@ -77,6 +77,7 @@ def prepare(a: argparse.Namespace) -> Job:
         raise UsageError("--chat needs --prompt or --prompt-file")
     if a.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+    a.sample = a.sample and a.temperature > 0  # temperature 0: greedy, as in OpenAI's API
     if a.compare_single and a.sample:
         raise UsageError("--compare-single checks greedy decoding against model.generate; drop --sample or it")
     if a.penalty_alpha is not None:
@@ -101,7 +102,7 @@ def prepare(a: argparse.Namespace) -> Job:
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     if a.prompt is not None or a.prompt_file is not None:
         ids = _tokenize(a, tok)
-    elif a.prompt_ids:
+    elif a.prompt_ids is not None:
         try:
             ids = torch.tensor([[int(x) for x in a.prompt_ids.split(",")]])
         except ValueError as e:
@@ -188,7 +189,7 @@ def worker(a: argparse.Namespace, job: Job, local: bool) -> None:
         max_new_tokens=job.max_new_tokens,
         **session_kwargs(a),
         do_sample=a.sample,
-        temperature=a.temperature,
+        temperature=a.temperature if a.sample else 1.0,
         top_k=a.top_k,
         top_p=a.top_p,
         seed=a.seed,
@@ -275,15 +276,16 @@ def add_parser(sub) -> None:
     )
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     g.add_argument("--sample", action="store_true", help="sample instead of greedy")
-    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--temperature", type=non_negative_float, default=1.0,
+                   help="with --sample (default 1; 0: greedy, as in OpenAI's API)")  # fmt: skip
     g.add_argument(
         "--top-k",
         type=at_least(0),
         default=None,
         help="sample from the k likeliest tokens (0: off); with --penalty-alpha: the contrastive candidates",
     )
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--timeout", type=float, default=3600.0, help="seconds the whole run may take (default 3600)")
+    g.add_argument("--top-p", type=fraction, default=None, help="with --sample: nucleus sampling, in (0, 1]")
+    g.add_argument("--timeout", type=positive_float, default=3600.0, help="seconds the whole run may take (default 3600)")
     g.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming it")
     g.add_argument("--compare-single", action="store_true", help="check tokens against single-process model.generate")
     g.add_argument("--progress", action="store_true", help="progress bar on rank 0")

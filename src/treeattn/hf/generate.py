@@ -107,7 +107,7 @@ def generate(
             (every prompt at least 1 token). ``L + max_new_tokens`` must not exceed the
             model's ``max_position_embeddings``.
         max_new_tokens: the most tokens to generate per sequence.
-        placement, block: KV placement (see :class:`treeattn.ShardedKVCache`; block None: as
+        placement, block: KV placement (see :class:`treeattn.cache.ShardedKVCache`; block None: as
             :class:`treeattn.hf.Session`).
         do_sample, temperature, top_k, top_p, typical_p, eta_cutoff: sampling through
             transformers' own logits warpers; one generator seeded with ``seed`` on every

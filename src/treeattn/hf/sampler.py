@@ -47,6 +47,9 @@ class Sampler:
         self.gen = torch.Generator(device=device or "cpu").manual_seed(seed)
         w = self.warpers = LogitsProcessorList()
         if sample:
+            for name, x in (("top_p", top_p), ("typical_p", typical_p)):
+                if x is not None and not 0 < x <= 1:  # transformers' warpers never see 1 or more
+                    raise ValueError(f"{name} must be a float in (0, 1], got {x!r}")
             if 0 < temperature < _SHIFT_BELOW:
                 w.append(_ShiftedTemperature(temperature))
             elif temperature != 1.0:

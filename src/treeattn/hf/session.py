@@ -46,7 +46,7 @@ class Session:
             implementation is switched to ``"treeattn"`` during each call only.
         group: the sequence-parallel process group (default: the world; without
             torch.distributed initialised, one process).
-        placement, block: KV placement (see :class:`treeattn.ShardedKVCache`). None: from the
+        placement, block: KV placement (see :class:`treeattn.cache.ShardedKVCache`). None: from the
             first call's ``T`` tokens, up to 256 with 4 blocks per rank (1 for short prompts);
             the prefill then sees the other ranks' keys as whole blocks, not triangles.
         attention: decoding by ``"tree"`` (Tree Attention) or ``"ring"`` (Ring Attention).

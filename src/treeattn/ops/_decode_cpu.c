@@ -1341,3 +1341,73 @@ int treeattn_decode(const float *q, const uint16_t *qb, float scale, const void 
     free(J.pl);
     return err ? 1 : 0;
 }
+
+/* n bytes at a 64-byte boundary inside a malloc'ed block; *raw: the block (to free) */
+static void *alloc64(size_t n, void **raw) {
+    *raw = malloc(n + 64);
+    return *raw ? (void *)(((uintptr_t)*raw + 63) & ~(uintptr_t)63) : NULL;
+}
+
+/* treeattn_decode on the caller's queries as they are: q [B, H, R0, D] contiguous float32
+ * (qdtype 0) or bfloat16 (qdtype 1, passed on unscaled as qb when the K/V are bf16 too),
+ * scaled here; the rows padded with zero rows to R (>= R0; the pad rows take row R0-1's
+ * bounds) and out [B, H, R0, Dv], lse [B, H, R0] written for the R0 rows only. */
+int treeattn_decode_rows(const void *q, int qdtype, float scale, const void *k, const void *v, int dtype,
+                         int64_t B, int64_t H, int64_t R0, int64_t R, int64_t S, int64_t D, int64_t Dv,
+                         int64_t ksb, int64_t ksh, int64_t kss, int64_t vsb, int64_t vsh, int64_t vss,
+                         const int64_t *lo0, const int64_t *hi0, float softcap, int nthreads, int64_t block,
+                         int64_t split, float *out, float *lse) {
+    if (qdtype < 0 || qdtype > 1 || R0 < 0 || R < R0 || (R > R0 && R0 == 0) || B < 0 || H < 0 || D <= 0)
+        return 2;
+    const int64_t BH = B * H, pad = R - R0;
+    const int qbf = qdtype == 1 && dtype == 1;
+    /* 64-byte aligned, as torch's buffers: a 512-bit row or accumulator split over two cache
+     * lines costs the kernel's loops (store-to-load forwarding) */
+    void *raw[4] = {NULL, NULL, NULL, NULL};
+    float *q32 = (float *)alloc64(sizeof(float) * BH * R * D, &raw[0]);
+    uint16_t *qb = qbf ? (uint16_t *)alloc64(sizeof(uint16_t) * BH * R * D, &raw[1]) : NULL;
+    int64_t *lo = pad && lo0 ? (int64_t *)malloc(sizeof(int64_t) * B * R) : NULL;
+    int64_t *hi = pad && hi0 ? (int64_t *)malloc(sizeof(int64_t) * B * R) : NULL;
+    float *o = pad ? (float *)alloc64(sizeof(float) * BH * R * Dv, &raw[2]) : out;
+    float *l = pad ? (float *)alloc64(sizeof(float) * BH * R, &raw[3]) : lse;
+    int rc = 1;
+    if (!q32 || (qbf && !qb) || (pad && lo0 && !lo) || (pad && hi0 && !hi) || !o || !l) goto done;
+    for (int64_t bh = 0; bh < BH; bh++) {
+        float *dst = q32 + bh * R * D;
+        if (qdtype == 0) {
+            const float *src = (const float *)q + bh * R0 * D;
+            for (int64_t i = 0; i < R0 * D; i++) dst[i] = src[i] * scale;
+        } else {
+            const uint16_t *src = (const uint16_t *)q + bh * R0 * D;
+            for (int64_t i = 0; i < R0 * D; i++) {
+                uint32_t u = (uint32_t)src[i] << 16;
+                float f;
+                memcpy(&f, &u, 4);
+                dst[i] = f * scale;
+            }
+            if (qbf) {
+                memcpy(qb + bh * R * D, src, sizeof(uint16_t) * R0 * D);
+                memset(qb + bh * R * D + R0 * D, 0, sizeof(uint16_t) * pad * D);
+            }
+        }
+        memset(dst + R0 * D, 0, sizeof(float) * pad * D);
+    }
+    for (int64_t b = 0; pad && b < B; b++)
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t s = r < R0 ? r : R0 - 1;
+            if (lo) lo[b * R + r] = lo0[b * R0 + s];
+            if (hi) hi[b * R + r] = hi0[b * R0 + s];
+        }
+    rc = treeattn_decode(q32, qb, scale, k, v, dtype, B, H, R, S, D, Dv, ksb, ksh, kss, vsb, vsh, vss,
+                         pad ? lo : lo0, pad ? hi : hi0, softcap, nthreads, block, split, o, l);
+    if (rc == 0 && pad)
+        for (int64_t bh = 0; bh < BH; bh++) {
+            memcpy(out + bh * R0 * Dv, o + bh * R * Dv, sizeof(float) * R0 * Dv);
+            memcpy(lse + bh * R0, l + bh * R, sizeof(float) * R0);
+        }
+done:
+    for (int i = 0; i < 4; i++) free(raw[i]);
+    free(lo);
+    free(hi);
+    return rc;
+}

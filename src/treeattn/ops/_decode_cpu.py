@@ -42,6 +42,7 @@ __all__ = ["decode_cpu", "decode_torch", "kernel_available", "kernel_features", 
 _SRCS = tuple(Path(__file__).with_name(f) for f in ("_decode_cpu.c", "_prefill_cpu.c", "_merge_cpu.c",
                                                     "_linear_cpu.c"))  # one .so
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_QDTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # -fopenmp: the prefill kernel's threads come from torch's OpenMP pool (libgomp.so.1, already
 # loaded by torch, is the copy the loader binds); the decode kernel keeps its own pthreads
 _FLAG_SETS = (
@@ -133,6 +134,12 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
             + [vp, vp, ctypes.c_float, ctypes.c_int, i64, i64, vp, vp]
         )
         f.restype = ctypes.c_int
+        lib.treeattn_decode_rows.argtypes = (
+            [vp, ctypes.c_int, ctypes.c_float, vp, vp, ctypes.c_int]
+            + [i64] * 13
+            + [vp, vp, ctypes.c_float, ctypes.c_int, i64, i64, vp, vp]
+        )
+        lib.treeattn_decode_rows.restype = ctypes.c_int
         lib.treeattn_prefill.argtypes = [vp, vp, vp, ctypes.c_float] + [i64] * 13 + [vp, vp, vp, ctypes.c_int, vp, vp]
         lib.treeattn_prefill.restype = ctypes.c_int
         lib.treeattn_features.restype = ctypes.c_int
@@ -208,6 +215,8 @@ def kernel_info() -> str:
 def _rows(x: Tensor | None, B: int, R: int) -> Tensor | None:
     if x is None:
         return None
+    if x.dtype == torch.int64 and x.shape == (B, R) and x.is_contiguous():
+        return x
     return x.to(dtype=torch.int64).reshape(-1, R).expand(B, R).contiguous()
 
 
@@ -257,38 +266,36 @@ def decode_cpu(
     R0 = R
     if R % 4 and (R > 4 or R == 3) and D == Dv and "avx512" in _state["features"]:
         # AVX-512 runs rows in groups of 4 sharing each K/V load, and a tail row by itself, with
-        # other rounding: tails run padded to a group, so a row's bits do not depend on how many
-        # rows share the call (a batched step's rows: the same as alone, for GQA groups of 3 or
-        # more). 3 tail rows cost more than a 4th row of zeros (R = 15 over 3.9k keys: 534
-        # against 468 us). R = 3 (GQA groups of 3, one token) over 3.9k keys out of cache: 0.98x
-        # the time in float32 (0.93x over 16k), 0.56x in bfloat16, 0.77x bf16 K/V with float32
-        # queries; over 45 keys 1.2x (15.8 against 19.2 us). The pad rows take the last row's
-        # bounds (rows with equal bounds share the groups).
-        n = 4 - R % 4
-        R += n
-        qg = torch.cat([qg, qg.new_zeros(B, H, n, D)], 2)
-        lo_, hi_ = (None if x is None else torch.cat([x, x[:, -1:].expand(-1, n)], 1) for x in (lo_, hi_))
-    q32 = (qg.to(torch.float32) * float(scale)).contiguous()
-    # bf16 queries also go in as they are (exact): with AVX512-BF16 the kernel's dot products
-    # take bf16 pairs directly and apply the scale to the float32 scores
-    qb = qg.contiguous() if qg.dtype == torch.bfloat16 and k.dtype == torch.bfloat16 else None
-    out = torch.empty(B, H, R, Dv, dtype=torch.float32)
-    lse = torch.empty(B, H, R, dtype=torch.float32)
+        # other rounding: tails run padded to a group (zero rows, in the kernel), so a row's
+        # bits do not depend on how many rows share the call (a batched step's rows: the same
+        # as alone, for GQA groups of 3 or more). 3 tail rows cost more than a 4th row of zeros
+        # (R = 15 over 3.9k keys: 534 against 468 us). R = 3 (GQA groups of 3, one token) over
+        # 3.9k keys out of cache: 0.98x the time in float32 (0.93x over 16k), 0.56x in
+        # bfloat16, 0.77x bf16 K/V with float32 queries; over 45 keys 1.2x (15.8 against 19.2
+        # us). The pad rows take the last row's bounds (rows with equal bounds share the groups).
+        R += 4 - R % 4
+    # the kernel scales (and pads) the queries itself: float32 and bf16 go in as they are (bf16
+    # with bf16 K/V also unscaled: with AVX512-BF16 the dot products take bf16 pairs directly)
+    if qg.dtype not in _QDTYPES:
+        qg = qg.to(torch.float32)
+    qg = qg.contiguous()
+    out = torch.empty(B, H, R0, Dv, dtype=torch.float32)
+    lse = torch.empty(B, H, R0, dtype=torch.float32)
     nt = torch.get_num_threads() if threads is None else int(threads)
     kv_bytes = (D + Dv) * k.element_size() * B * H * S
     nt = max(1, min(nt, kv_bytes // max(1, _MIN_BYTES_PER_THREAD)))
     cap = float(softcap) if softcap else 0.0
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-    rc = lib.treeattn_decode(
-        ptr(q32), ptr(qb), float(scale), ptr(k), ptr(v), _DTYPES[k.dtype], B, H, R, S, D, Dv,
+    rc = lib.treeattn_decode_rows(
+        qg.data_ptr(), _QDTYPES[qg.dtype], float(scale), ptr(k), ptr(v), _DTYPES[k.dtype], B, H, R0, R, S, D, Dv,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        ptr(lo_), ptr(hi_), cap, nt, _BLOCK, _SPLIT, ptr(out), ptr(lse),
+        ptr(lo_), ptr(hi_), cap, nt, _BLOCK, _SPLIT, out.data_ptr(), lse.data_ptr(),
     )  # fmt: skip
     if rc == 1:
         raise MemoryError("decode_cpu: the C kernel could not allocate its scratch buffers")
     if rc != 0:
         raise ValueError(f"decode_cpu: bad arguments (rc={rc}) for shapes q {tuple(qg.shape)}, k {tuple(k.shape)}")
-    return (out, lse) if R == R0 else (out[:, :, :R0], lse[:, :, :R0])
+    return out, lse
 
 
 def decode_torch(

@@ -28,6 +28,9 @@ def all_finite(*ts: Tensor) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in ts)
 
 
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def check_attention_inputs(
     q: Tensor,
     k: Tensor,
@@ -48,8 +51,8 @@ def check_attention_inputs(
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.ndim != 4:
             raise ValueError(f"{name} must be 4-D [B, H, T, D], got shape {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise ValueError(f"{name} must be a floating dtype, got {t.dtype}")
+        if t.dtype not in _FLOATS:
+            raise ValueError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if k.device != q.device or v.device != q.device:
@@ -64,7 +67,7 @@ def check_attention_inputs(
         raise ValueError(f"Hq must be a multiple of Hkv: Hq={Hq}, Hkv={Hkv}")
     if k.shape[3] != D:
         raise ValueError(f"head dim: q has D={D}, k has D={k.shape[3]}")
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+    if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale)):
         raise ValueError(f"scale must be a finite float or None, got {scale!r}")
     if kv_lens is not None:
         if not isinstance(kv_lens, Tensor):
@@ -343,7 +346,9 @@ def _trim(lo: Tensor | None, hi: Tensor | None, S: int, B: int):
     if lo is None and hi is None:
         return None, None, None, None
     ref = lo if lo is not None else hi
-    if ref.device.type != "cpu" or B == 0 or ref.shape[2] == 0:  # no host sync off the CPU: mask only
+    if ref.numel() == 0:  # no rows (B or Tq 0): nothing is read
+        return None, None, (0, 0), None
+    if ref.device.type != "cpu":  # no host sync off the CPU: mask only
         seq_lo = lo.amin((1, 2, 3)).clamp(0, S) if lo is not None else torch.zeros(B, dtype=torch.int64)
         seq_hi = hi.amax((1, 2, 3)).clamp(0, S) if hi is not None else torch.full((B,), S, dtype=torch.int64)
         return lo, hi, None, (seq_lo.to(ref.device), seq_hi.to(ref.device))

@@ -96,7 +96,8 @@ def validate_decode(
         "Dv": v.shape[3] if ok else -1,
         "Tq": q.shape[2] if ok else -1,
         "dtype": _DTYPES.get(q.dtype, 0) if ok else -1,
-        "scale": float_bits(scale) if ok and scale is not None else 0,
+        # the scale each rank will use (None: 1/sqrt(D)): None and 0.0 must not look alike
+        "scale": float_bits(q.shape[3] ** -0.5 if scale is None else scale) if ok else 0,
         "strategy": _OPS.index(op) if op in _OPS else -1,
         "new tokens": int(new_k is not None),
         "new_mask": -1 if new_mask is None or not isinstance(new_mask, Tensor) else new_mask.ndim,

@@ -89,7 +89,7 @@ def tree_decode(
         backend: local attention backend (see :func:`treeattn.attention_with_lse`).
         kv_start: optional integer ``[B]`` or ``[B, Tq]``: the first local slot each sequence
             (or query) sees — a sliding window on global positions, converted to this
-            shard's slots by :meth:`treeattn.ShardedKVCache.window_start`. A rank whose keys
+            shard's slots by :meth:`treeattn.cache.ShardedKVCache.window_start`. A rank whose keys
             all lie below it contributes the empty state without running its kernel.
         softcap: attention-logit softcapping ``c * tanh(s / c)`` of the scaled scores
             (Gemma-2), applied inside the local kernel before the lse; same on every rank.
@@ -103,7 +103,8 @@ def tree_decode(
 
     Returns:
         ``out [B, Hq, Tq, Dv]`` in q's dtype, the same on every rank; with ``return_lse``
-        also ``lse [B, Hq, Tq]`` float32. Rows with no visible key give (0, -inf).
+        also ``lse [B, Hq, Tq]`` float32 (float64 for float64 inputs). Rows with no visible key give
+        (0, -inf).
 
     Raises:
         ValueError: on *every* rank, when any rank's input is invalid or ranks disagree on
