@@ -108,6 +108,21 @@ def test_empty_prompt_ids(capsys):
     assert "--prompt-ids must be comma-separated integers, got ''" in _run(capsys, "--prompt-ids", "")
 
 
+def test_temperature_0_samples_greedily():
+    """``--sample --temperature 0`` is greedy decoding (as the server and OpenAI's API), so
+    ``--compare-single`` may check it."""
+    from treeattn.cli import build_parser
+    from treeattn.hf.cli import prepare
+
+    a = build_parser().parse_args(["generate", "--preset", "tiny-llama", "--prompt-ids", "1,2", "--sample",
+                                   "--temperature", "0", "--compare-single"])  # fmt: skip
+    prepare(a)
+    assert a.sample is False
+    a = build_parser().parse_args(["generate", "--preset", "tiny-llama", "--prompt-ids", "1,2", "--sample"])
+    prepare(a)
+    assert a.sample is True
+
+
 def test_system_needs_chat(capsys):
     assert "--system needs --chat" in _run(capsys, "--system", "be brief", "--prompt-ids", "1,2")
 

@@ -389,3 +389,34 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows_bounds(dtype, softcap, D):
     for i in range(m):
         o1, l1 = decode_cpu(q[:, :, :, i], k, v, D**-0.5, lo[i].repeat(G)[None], hi[i].repeat(G)[None], softcap)
         assert torch.equal(o1, out[:, :, :, i]) and torch.equal(l1, lse[:, :, :, i]), (i, int(lo[i]), int(hi[i]))
+
+
+def test_no_rows_no_sequences_no_heads_and_zero_dv():
+    """Empty calls give empty results (torch's empty tensors have no data pointer); Dv = 0 is
+    a ValueError, not a failed allocation."""
+    for shape in ((1, 2, 0, 64), (0, 2, 4, 64), (1, 0, 4, 64), (1, 2, 3, 64)):
+        q, k = torch.randn(*shape), torch.randn(shape[0], shape[1], 10, 64)
+        o, l = decode_cpu(q, k, k, 0.125)
+        assert o.shape == shape and l.shape == shape[:3]
+    with pytest.raises(ValueError, match="bad arguments"):
+        decode_cpu(torch.randn(1, 2, 1, 64), torch.randn(1, 2, 10, 64), torch.randn(1, 2, 10, 0), 0.125)
+
+
+@pytest.mark.parametrize("R", [1, 4])
+def test_a_negative_zero_stays_negative_in_a_wider_call(R, monkeypatch):
+    """A row's output bits, sign of zero included, are the same alone (one split) and in a
+    call whose padded S has many (the merge assigns the first split's part: 0 + -0.0 = +0.0)."""
+    monkeypatch.setattr(DC, "_SPLIT", 1024)
+    D, L, S = 64, 900, 5000
+    q = torch.zeros(1, 1, R, D)
+    q[..., 0] = 1
+    k, v = torch.zeros(1, 1, L, D), torch.zeros(1, 1, L, D)
+    k[0, 0, 0, 0] = 20.0  # key 0 takes all the weight: the others' -1e-45 values underflow to -0.0
+    v[0, 0, :, 0] = -1e-45
+    v[0, 0, 0, 0] = -0.0
+    o1, l1 = decode_cpu(q, k, v, 1.0, threads=1)
+    assert torch.signbit(o1[0, 0, 0, 0])
+    k2, v2 = torch.zeros(2, 1, S, D), torch.zeros(2, 1, S, D)
+    k2[0, :, :L], v2[0, :, :L] = k[0], v[0]
+    o2, l2 = decode_cpu(torch.cat([q, q]), k2, v2, 1.0, None, torch.tensor([[L] * R, [S] * R]), threads=1)
+    assert torch.equal(o1.view(torch.int32), o2[:1].view(torch.int32)) and torch.equal(l1, l2[:1])

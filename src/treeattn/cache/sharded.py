@@ -241,6 +241,13 @@ class ShardedKVCache:
             self.k[layer][b, :, slots] = k
             self.v[layer][b, :, slots] = v
 
+    def store_span(self, layer: int, slot: int, k: Tensor, v: Tensor) -> None:
+        """Store K/V ``[B, Hkv, m, D]`` of ``layer`` at local slots ``slot .. slot + m - 1`` of
+        every sequence (one copy each: a kept chain's run of slots)."""
+        m = k.shape[2]
+        self.k[layer][:, :, slot : slot + m].copy_(k)
+        self.v[layer][:, :, slot : slot + m].copy_(v)
+
     def rewind(self, n: int | Tensor) -> None:
         """Forget every token at global position ``>= n`` (an int, or ``[B]`` per sequence):
         they are no longer valid on any rank, and later tokens take their slots."""

@@ -36,8 +36,8 @@ class Sampler:
     (> 0), top-k (``None``/0: off), top-p in (0, 1], typical-p in (0, 1], eta cutoff
     (``None``/0: off); none needs the token history. Draws come from one ``torch.Generator``
     on ``device`` seeded with ``seed``: equal parameters, seeds and logits give equal tokens,
-    whatever else runs in the process. Raises ValueError (from transformers) for a parameter
-    out of its range.
+    whatever else runs in the process. Raises ValueError for a parameter out of its range
+    (top_p, typical_p outside (0, 1]; the others as transformers' warpers do).
     """
 
     def __init__(self, sample: bool = False, *, temperature: float = 1.0, top_k: int | None = None,

@@ -391,10 +391,19 @@ class Session:
             c = self.cache
             try:
                 b, j, slots = c.place(n)
-                cols = idx[j].to(self.device)
+                cols_h = idx[j]
+                cols = cols_h.to(self.device)
                 bd, sd = b.to(self.device), slots.to(self.device)
+                m = len(j)
+                # one sequence whose kept tokens here are a run of the step's and of the slots
+                # (a chain's prefix on one rank): two copies a layer, not gathers and scatters
+                run = c.B == 1 and m > 0 and _run(cols_h) and _run(slots)
                 for layer, (k, v) in stash.items():
-                    c.store_slots(layer, bd, sd, k[bd, :, cols], v[bd, :, cols])
+                    if run:
+                        c0 = int(cols_h[0])
+                        c.store_span(layer, int(slots[0]), k[:, :, c0 : c0 + m], v[:, :, c0 : c0 + m])
+                    else:
+                        c.store_slots(layer, bd, sd, k[bd, :, cols], v[bd, :, cols])
                 if self.hidden is not None:
                     self.hidden.store(bd, sd, hid[bd, cols])
             except BaseException:
@@ -402,3 +411,8 @@ class Session:
                 raise
             self.history.commit(tokens[:, idx], before, torch.full_like(before, n))
         self.counters["kept_tokens"] += n * self.batch
+
+
+def _run(x: Tensor) -> bool:
+    """``x`` (host, int) is ``a, a + 1, ..., a + len - 1``."""
+    return bool((x[1:] - x[:-1] == 1).all()) if len(x) > 1 else True

@@ -227,7 +227,9 @@ static void task_start(int64_t R, int64_t S, int64_t Dv, const int64_t *lo, cons
         mx[r] = -INFINITY;
         den[r] = 0.0;
     }
-    memset(acc, 0, sizeof(float) * R * Dv);
+    /* a split no row reads: its accumulators are never read (the merge skips it), and not
+     * touching them leaves the untouched pages of a large scratch buffer unmapped */
+    if (*ulo < *uhi) memset(acc, 0, sizeof(float) * R * Dv);
 }
 
 static void run_task(const job_t *J, int64_t t, float *kbuf, float *vbuf, float *sbuf, int64_t *ivs) {
@@ -1311,17 +1313,21 @@ int treeattn_decode(const float *q, const uint16_t *qb, float scale, const void 
                 }
                 double L = 0;
                 float *o = out + (bh * R + r) * Dv;
-                if (own) memset(o, 0, sizeof(float) * Dv);
+                int first = 1;
                 for (int64_t sp = 0; sp < nsplit; sp++) {
                     int64_t t = bh * nsplit + sp;
                     float m = J.pm[t * R + r];
                     if (m == -INFINITY && J.pl[t * R + r] == 0) continue; /* empty; a NaN sum must reach L */
                     float c = own ? exp_neg(m - M) : 1.0f;
                     L += J.pl[t * R + r] * c;
-                    if (own) {
+                    if (own) { /* the first split assigned (not 0 + x: a -0.0 stays -0.0, as with one split) */
                         const float *restrict po = J.po + (t * R + r) * Dv;
-                        for (int64_t d = 0; d < Dv; d++) o[d] += c * po[d];
+                        if (first)
+                            for (int64_t d = 0; d < Dv; d++) o[d] = c * po[d];
+                        else
+                            for (int64_t d = 0; d < Dv; d++) o[d] += c * po[d];
                     }
+                    first = 0;
                 }
                 if (L > 0) {
                     float inv = (float)(1.0 / L);
@@ -1357,9 +1363,10 @@ int treeattn_decode_rows(const void *q, int qdtype, float scale, const void *k, 
                          int64_t ksb, int64_t ksh, int64_t kss, int64_t vsb, int64_t vsh, int64_t vss,
                          const int64_t *lo0, const int64_t *hi0, float softcap, int nthreads, int64_t block,
                          int64_t split, float *out, float *lse) {
-    if (qdtype < 0 || qdtype > 1 || R0 < 0 || R < R0 || (R > R0 && R0 == 0) || B < 0 || H < 0 || D <= 0)
+    if (qdtype < 0 || qdtype > 1 || R0 < 0 || R < R0 || (R > R0 && R0 == 0) || B < 0 || H < 0 || D <= 0 || Dv <= 0)
         return 2;
     const int64_t BH = B * H, pad = R - R0;
+    if (BH * R0 == 0) return 0; /* no rows: nothing to write (torch's empty tensors have no data) */
     const int qbf = qdtype == 1 && dtype == 1;
     /* 64-byte aligned, as torch's buffers: a 512-bit row or accumulator split over two cache
      * lines costs the kernel's loops (store-to-load forwarding) */
@@ -1371,7 +1378,7 @@ int treeattn_decode_rows(const void *q, int qdtype, float scale, const void *k, 
     float *o = pad ? (float *)alloc64(sizeof(float) * BH * R * Dv, &raw[2]) : out;
     float *l = pad ? (float *)alloc64(sizeof(float) * BH * R, &raw[3]) : lse;
     int rc = 1;
-    if (!q32 || (qbf && !qb) || (pad && lo0 && !lo) || (pad && hi0 && !hi) || !o || !l) goto done;
+    if (!q32 || (qbf && !qb) || (pad && lo0 && !lo) || (pad && hi0 && !hi) || (pad && (!o || !l))) goto done;
     for (int64_t bh = 0; bh < BH; bh++) {
         float *dst = q32 + bh * R * D;
         if (qdtype == 0) {

@@ -245,7 +245,8 @@ def decode_cpu(
             are cut in splits of 8,192, the (sequence, head, split) tasks spread over the
             threads and each row's splits merged in order: with the compiled kernel a row's
             result does not depend on the thread count, the other sequences or S beyond its
-            own keys (with AVX-512, not on the other rows of its group either).
+            own keys (with AVX-512 and float32 K/V, or bf16 K/V and queries with AVX512-BF16,
+            not on the other rows' bounds either).
 
     Returns:
         ``(out float32 [B, Hkv, R, Dv], lse float32 [B, Hkv, R])``, lse the natural log of
