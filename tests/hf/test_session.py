@@ -278,6 +278,10 @@ def bad_calls_worker():
     refused(lambda: s.step(t(2), [-1]), r"parents must be 2 ints")
     refused(lambda: s.rewind(21), r"rewind\(n\) needs an int 0 <= n <= len\(session\) = 20, got 21")
     refused(lambda: s.rewind(-1), r"rewind\(n\) needs")
+    refused(lambda: s.rewind(torch.tensor([3])), r"rewind\(n\) needs an int")
+    refused(lambda: s.rewind(3.0), r"rewind\(n\) needs an int")
+    s.rewind(torch.tensor(20))  # a 0-d integer tensor (or a numpy integer) is an int: nothing forgotten
+    assert len(s) == 20
     refused(lambda: s.extend(t(41)), r"would take a sequence to 61 tokens, but the session holds at most 60")
     refused(lambda: s.step(t(41)), r"would take a sequence to 61 tokens")
     refused(lambda: s.extend(torch.tensor([[V]])), r"must lie in \[0, 512\) \(the model's vocabulary\)")

@@ -5,6 +5,7 @@ tokens (a chain or a token tree) are run with :meth:`Session.step` and committed
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Sequence
 
@@ -310,8 +311,14 @@ class Session:
     def rewind(self, n: int, *, check: bool = True) -> None:
         """Forget every committed token from position ``n`` on (``0 <= n <= len(self)``; a
         shorter sequence of a ragged batch keeps what it has below ``n``), and any pending
-        step. Raises ValueError (on every rank) for ``n`` out of range or ranks that differ."""
+        step. ``n``: an int (a numpy integer or a 0-d integer tensor is one too). Raises
+        ValueError (on every rank) for ``n`` out of range or not an int, or ranks that differ."""
         err = None
+        if not isinstance(n, bool) and not (isinstance(n, Tensor) and n.ndim):
+            try:  # numpy integers and 0-d integer tensors too
+                n = operator.index(n)
+            except TypeError:
+                pass
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(self):
             err = f"rewind(n) needs an int 0 <= n <= len(session) = {len(self)}, got {n!r}"
         if check:
