@@ -12,7 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-results/gpu}
 mkdir -p "$out"
-PY=${PYTHON:-python3}
+PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 export PYTHONUNBUFFERED=1
 rc=0
 steps=" ${STEPS:-ops kernel e2e suite} "

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from ._argtypes import at_least
+from ._argtypes import at_least, positive_float
 from ._host import available_memory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--reps", type=at_least(1), default=10, help="timed steps per method (default 10)")
     d.add_argument("--warmup", type=at_least(0), default=2, help="untimed steps per method first (default 2)")
     d.add_argument("--threads", type=at_least(1), default=1, help="compute threads per rank (default 1)")
-    d.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are stopped (default 1800)")
+    d.add_argument("--timeout", type=positive_float, default=1800.0, help="seconds before the ranks are stopped (default 1800)")
     d.set_defaults(func=_demo)
     try:
         from .hf.cli import add_parser

@@ -160,6 +160,7 @@ def test_compare_single_refuses_sampling(capsys):
         ("serve", ["--collective-timeout", "-1"], "--collective-timeout: must be a finite number > 0, got -1"),
         ("demo", ["--nproc", "0"], "--nproc: must be >= 1, got 0"),
         ("demo", ["--seq", "0"], "--seq: must be >= 1, got 0"),
+        ("demo", ["--timeout", "0"], "--timeout: must be a finite number > 0, got 0"),
         ("merge-demo", ["--nproc", "0"], "--nproc: must be >= 1, got 0"),
     ],
 )

@@ -7,7 +7,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .._argtypes import at_least
+from .._argtypes import at_least, positive_float
 from ..launch import LaunchError, launch
 from .common import markdown, provenance, read_jsonl, write_results
 
@@ -96,7 +96,7 @@ def add_parser(sub) -> None:
         p.add_argument("--nproc", type=at_least(1), nargs="+", default=[2, 4, 8], help="rank counts p to run")
         p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="K/V dtype")
         p.add_argument("--threads", type=at_least(1), default=1, help="compute threads per rank")
-        p.add_argument("--timeout", type=float, default=7200.0, help="seconds before a launch is stopped")
+        p.add_argument("--timeout", type=positive_float, default=7200.0, help="seconds before a launch is stopped")
         p.set_defaults(func=lambda a: _dispatch(a, name))
 
     p = bs.add_parser(
