@@ -18,6 +18,7 @@ from ..cache import ShardedKVCache
 from ..comm.collectives import world
 from ..comm.validate import agree
 from . import _model as S
+from ._commit import store_kept
 from ._forward import Forwards
 from ._history import History
 from ._settings import agree_settings
@@ -395,31 +396,11 @@ class Session:
         n, before = len(path), self.history.lens.clone()
         if n:
             idx = torch.tensor(path)
-            c = self.cache
             try:
-                b, j, slots = c.place(n)
-                cols_h = idx[j]
-                cols = cols_h.to(self.device)
-                bd, sd = b.to(self.device), slots.to(self.device)
-                m = len(j)
-                # one sequence whose kept tokens here are a run of the step's and of the slots
-                # (a chain's prefix on one rank): two copies a layer, not gathers and scatters
-                run = c.B == 1 and m > 0 and _run(cols_h) and _run(slots)
-                for layer, (k, v) in stash.items():
-                    if run:
-                        c0 = int(cols_h[0])
-                        c.store_span(layer, int(slots[0]), k[:, :, c0 : c0 + m], v[:, :, c0 : c0 + m])
-                    else:
-                        c.store_slots(layer, bd, sd, k[bd, :, cols], v[bd, :, cols])
-                if self.hidden is not None:
-                    self.hidden.store(bd, sd, hid[bd, cols])
+                store_kept(self.cache, stash, self.hidden, hid, idx, self.device)
             except BaseException:
                 self._truncate(before)
                 raise
             self.history.commit(tokens[:, idx], before, torch.full_like(before, n))
         self.counters["kept_tokens"] += n * self.batch
 
-
-def _run(x: Tensor) -> bool:
-    """``x`` (host, int) is ``a, a + 1, ..., a + len - 1``."""
-    return bool((x[1:] - x[:-1] == 1).all()) if len(x) > 1 else True
