@@ -33,6 +33,12 @@ CASES = [
     ("float32 16/16 x 128, 1 token, S = 128k", 1, 16, 1, 128 * 1024, 128, torch.float32, 11),
     ("float32 9/3 x 64 (SmolLM2), 1 token, S = 3.9k", 1, 3, 3, 3900, 64, torch.float32, 41),
     ("float32 9/3 x 64, 1 token, S = 16", 1, 3, 3, 16, 64, torch.float32, 201),
+    ("bf16 16/16 x 128 (MHA), 1 token, S = 128k", 1, 16, 1, 128 * 1024, 128, torch.bfloat16, 11),
+    ("float32 8/4 x 256 (G = 2), 1 token, S = 8k", 1, 4, 2, 8192, 256, torch.float32, 41),
+    ("bf16 9/3 x 64, 1 token, S = 3.9k", 1, 3, 3, 3900, 64, torch.bfloat16, 41),
+    ("float32 9/3 x 64, 2 tokens (R = 6), S = 3.9k", 1, 3, 6, 3900, 64, torch.float32, 41),
+    ("float32 9/3 x 64, 5 tokens (R = 15), S = 3.9k", 1, 3, 15, 3900, 64, torch.float32, 41),
+    ("float32 9/3 x 64, 6 tokens (R = 18), S = 3.9k", 1, 3, 18, 3900, 64, torch.float32, 41),
 ]
 
 
@@ -54,6 +60,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rev", default="HEAD~1", help="git revision to compare with (default HEAD~1)")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--only", nargs="+", default=[], help="run the cases whose names contain one of these")
     a = ap.parse_args()
     if not today.kernel_available():
         sys.exit(f"the kernel did not build: {today.kernel_info()}")
@@ -63,6 +70,8 @@ def main() -> None:
         print("|---|---|---|---|---|---|")
         g = torch.Generator().manual_seed(0)
         for name, B, H, R, S, D, dt, reps in CASES:
+            if a.only and not any(x in name for x in a.only):
+                continue
             q = torch.randn(B, H, R, D, generator=g).to(dt)
             k, v = (torch.randn(B, H, S, D, generator=g).to(dt) for _ in range(2))
             for th in a.threads:

@@ -23,11 +23,11 @@ from treeattn.ops._decode_cpu import kernel_features  # noqa: E402
 KERNEL = "prefill512" in kernel_features() and os.environ.get("TREEATTN_PREFILL_KERNEL") != "0"
 
 
-def model(window: bool):
+def model(window: bool, kv_heads: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     kw = dict(hidden_size=192, intermediate_size=256, num_hidden_layers=2, num_attention_heads=6,
-              num_key_value_heads=2, head_dim=64, vocab_size=512)  # fmt: skip
+              num_key_value_heads=kv_heads, head_dim=64, vocab_size=512)  # fmt: skip
     torch.manual_seed(0)
     m = MistralForCausalLM(MistralConfig(sliding_window=40, **kw)) if window else LlamaForCausalLM(LlamaConfig(**kw))
     m = m.float().eval()
@@ -35,10 +35,12 @@ def model(window: bool):
     return m
 
 
-@pytest.mark.parametrize("window", [False, True])
-def test_a_rows_bits_do_not_depend_on_its_step(monkeypatch, window):
+@pytest.mark.parametrize("window,kv_heads", [(False, 2), (True, 2), (False, 6), (False, 3)])
+def test_a_rows_bits_do_not_depend_on_its_step(monkeypatch, window, kv_heads):
+    """GQA groups of 3, and of 1 (MHA) and 2: a row's 1-3 query rows per KV head alone, 4 or
+    more in a batched step's calls."""
     taken = spy(monkeypatch)
-    m = model(window)
+    m = model(window, kv_heads)
     g = torch.Generator().manual_seed(1)
     ids = lambda n: torch.randint(3, 512, (n,), generator=g).tolist()  # noqa: E731
     r = BatchRunner(m, max_batch=4, prefill_chunk=64)

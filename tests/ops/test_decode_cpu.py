@@ -371,7 +371,7 @@ def test_auto_bf16_row_limit_follows_kernel_features(monkeypatch):
 @pytest.mark.parametrize("dtype,softcap,D", [(torch.float32, None, 64), (torch.float32, 30.0, 128),
                                              (torch.bfloat16, None, 64), (torch.bfloat16, 30.0, 128)])  # fmt: skip
 def test_a_rows_bits_do_not_depend_on_the_other_rows_bounds(dtype, softcap, D):
-    """GQA groups of 3 (a token's rows: padded to a group of 4): a token's result alone equals,
+    """GQA groups of 3 (a token's 3 rows, as a tail of its own): a token's result alone equals,
     bitwise, its result among tokens of other key ranges (windows, ends mid-block, a range
     nobody else has), in float32 and (with AVX512-BF16) bfloat16."""
     if dtype == torch.bfloat16 and "avx512bf16" not in DC.kernel_features():
@@ -389,6 +389,37 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows_bounds(dtype, softcap, D):
     for i in range(m):
         o1, l1 = decode_cpu(q[:, :, :, i], k, v, D**-0.5, lo[i].repeat(G)[None], hi[i].repeat(G)[None], softcap)
         assert torch.equal(o1, out[:, :, :, i]) and torch.equal(l1, lse[:, :, :, i]), (i, int(lo[i]), int(hi[i]))
+
+
+@pytest.mark.skipif("avx512" not in DC.kernel_features(), reason="row groups of 4 need the AVX-512 build")
+@pytest.mark.parametrize("dtype,D,Dv", [(torch.float32, 64, 64), (torch.float32, 128, 128), (torch.float32, 80, 80),
+                                        (torch.float32, 64, 128), (torch.bfloat16, 64, 64),
+                                        (torch.bfloat16, 128, 128)])  # fmt: skip
+@pytest.mark.parametrize("ragged", [False, True])
+def test_a_rows_bits_do_not_depend_on_how_many_rows_share_the_call(dtype, D, Dv, ragged):
+    """Each of 9 rows alone (R = 1: MHA, one token) equals, bitwise, itself in calls of 2..9
+    rows (tail rows after groups of 4, 2-3 rows, with and without the bf16 pad), every row
+    seeing all keys or rows of their own ranges: a request of a GQA group of 1 or 2 gets the
+    same bits batched as alone."""
+    if dtype == torch.bfloat16 and "avx512bf16" not in DC.kernel_features():
+        pytest.skip("bf16 row groups need AVX512-BF16")
+    S, m = 700, 9
+    g = torch.Generator().manual_seed(D + Dv)
+    k, v = torch.randn(1, 2, S, D, generator=g).to(dtype), torch.randn(1, 2, S, Dv, generator=g).to(dtype)
+    q = torch.randn(1, 2, m, D, generator=g).to(dtype)
+    lo, hi = torch.zeros(m, dtype=torch.long), torch.full((m,), S)
+    if ragged:
+        lo = torch.randint(0, S, (m,), generator=g)
+        hi = torch.minimum(lo + torch.randint(1, S, (m,), generator=g), torch.tensor(S))
+        lo[2], hi[2] = 0, S
+    alone = [decode_cpu(q[:, :, i : i + 1], k, v, D**-0.5, lo[i : i + 1][None], hi[i : i + 1][None]) for i in range(m)]
+    for R in range(2, m + 1):
+        out, lse = decode_cpu(q[:, :, :R], k, v, D**-0.5, lo[:R][None], hi[:R][None])
+        for i in range(R):
+            o1, l1 = alone[i]
+            assert torch.equal(out[:, :, i : i + 1], o1) and torch.equal(lse[:, :, i : i + 1], l1), (R, i)
+    ro, rl = ref_rows(q, k, v, D**-0.5, lo[None], hi[None], None)
+    assert max_err(out, ro) < (1e-2 if dtype == torch.bfloat16 else 1e-5) and max_err(lse, rl) < 1e-4
 
 
 def test_no_rows_no_sequences_no_heads_and_zero_dv():

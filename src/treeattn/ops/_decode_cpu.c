@@ -13,7 +13,10 @@
  * runs (GQA) take block_r4_512: the value accumulators of two rows stay in registers over a
  * group of keys (one load/store per group, not per key, which bounded the AVX2 loop): float32
  * always, bfloat16 only with bf16 queries on CPUs with AVX512-BF16 (vdpbf16ps scores; other
- * bf16 cases take the AVX2 loop).  AVX2 builds without AVX-512 run bf16 rows that see the
+ * bf16 cases take the AVX2 loop).  Where those groups run, every other row's scores (tail rows,
+ * calls of 1-3 rows, rows of their own ranges) take the same arithmetic one row at a time
+ * (sc_r1_k4_x, sc_rn_k1_x, dot_axpy1_512), and values are elementwise fused multiply-adds in key
+ * order everywhere: a row's bits do not depend on the rows that share its call.  AVX2 builds without AVX-512 run bf16 rows that see the
  * same keys as register tiles over groups of keys instead (block_tile_bf; D, Dv % 16 == 0).  Generic path (fp16,
  * other head dims, no AVX2): blocks converted to float32 in L1, then plain loops.
  * Built on first use by _decode_cpu.py (gcc -O3 -march=native -fopenmp-simd). */
@@ -942,6 +945,134 @@ static inline __attribute__((always_inline)) void vals2_x(float *o, int64_t os, 
 #undef V2
 }
 
+/* Scores of one query row q against n <= 4 keys (k, k + ks, ..), into s[0..n): each key's
+ * accumulator takes the fused multiply-adds of a row of sc1_r4_x (the same chunks, order and
+ * operands) and the same horizontal sum (hsum4x is lane-wise: an accumulator's sum does not
+ * depend on the other three). So a row alone, a tail row and a row of a group of 4 get the
+ * same score bits: a row's result does not depend on how many rows share its call. */
+static inline __attribute__((always_inline)) void sc_r1_k4_x(const void *q, const char *k, int64_t ks, int64_t n,
+                                                             int64_t D, float scale, float *s, const int bf) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const char *k1 = k + (n > 1 ? ks : 0), *k2 = k + (n > 2 ? 2 * ks : 0), *k3 = k + (n > 3 ? 3 * ks : 0);
+#ifdef HAVE_BF16DP
+    if (bf) {
+        const uint16_t *qh = (const uint16_t *)q;
+        for (int64_t d = 0; d < D; d += 32) {
+            const __m512bh w = (__m512bh)_mm512_loadu_si512(qh + d);
+            a0 = _mm512_dpbf16_ps(a0, w, (__m512bh)_mm512_loadu_si512((const uint16_t *)k + d));
+            a1 = _mm512_dpbf16_ps(a1, w, (__m512bh)_mm512_loadu_si512((const uint16_t *)k1 + d));
+            a2 = _mm512_dpbf16_ps(a2, w, (__m512bh)_mm512_loadu_si512((const uint16_t *)k2 + d));
+            a3 = _mm512_dpbf16_ps(a3, w, (__m512bh)_mm512_loadu_si512((const uint16_t *)k3 + d));
+        }
+    } else
+#endif
+    {
+        const float *qf = (const float *)q;
+        for (int64_t d = 0; d < D; d += 16) {
+            const __m512 w = _mm512_loadu_ps(qf + d);
+            a0 = _mm512_fmadd_ps(w, _mm512_loadu_ps((const float *)k + d), a0);
+            a1 = _mm512_fmadd_ps(w, _mm512_loadu_ps((const float *)k1 + d), a1);
+            a2 = _mm512_fmadd_ps(w, _mm512_loadu_ps((const float *)k2 + d), a2);
+            a3 = _mm512_fmadd_ps(w, _mm512_loadu_ps((const float *)k3 + d), a3);
+        }
+    }
+    if (n == 4) {
+        hsum4x(a0, a1, a2, a3, scale, s, 1);
+        return;
+    }
+    float t[4];
+    hsum4x(a0, a1, a2, a3, scale, t, 1);
+    for (int64_t i = 0; i < n; i++) s[i] = t[i];
+}
+
+/* o += p v on Dv dims (v one key's value row): the same elementwise fused multiply-add as
+ * axpy1_x and vals2_sc, 16 lanes at a time where Dv allows */
+static inline __attribute__((always_inline)) void axpy1_512(float *o, const char *v, int64_t Dv, float p, int bf) {
+    if (Dv % 16) {
+        axpy1_x(o, v, Dv, p, bf);
+        return;
+    }
+    const __m512 w = _mm512_set1_ps(p);
+    for (int64_t d = 0; d < Dv; d += 16) {
+        const __m512 x = bf ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                  _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)v + d))), 16))
+                            : _mm512_loadu_ps((const float *)v + d);
+        _mm512_storeu_ps(o + d, _mm512_fmadd_ps(w, x, _mm512_loadu_ps(o + d)));
+    }
+}
+
+/* Scores of n <= 4 query rows (qs elements apart) against one key k into s[r * ss]: a row of
+ * sc1_r4_x's arithmetic (rows beyond n are not computed) */
+static inline __attribute__((always_inline)) void sc_rn_k1_x(const void *q, int64_t qs, int64_t n, const char *k,
+                                                             int64_t D, float scale, float *s, int64_t ss,
+                                                             const int bf) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const int64_t q1 = n > 1 ? qs : 0, q2 = n > 2 ? 2 * qs : 0, q3 = n > 3 ? 3 * qs : 0;
+#ifdef HAVE_BF16DP
+    if (bf) {
+        const uint16_t *qh = (const uint16_t *)q, *k0 = (const uint16_t *)k;
+        for (int64_t d = 0; d < D; d += 32) {
+            const __m512bh x = (__m512bh)_mm512_loadu_si512(k0 + d);
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(qh + d), x);
+            if (n > 1) a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(qh + q1 + d), x);
+            if (n > 2) a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(qh + q2 + d), x);
+            if (n > 3) a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(qh + q3 + d), x);
+        }
+    } else
+#endif
+    {
+        const float *qf = (const float *)q, *k0 = (const float *)k;
+        for (int64_t d = 0; d < D; d += 16) {
+            const __m512 x = _mm512_loadu_ps(k0 + d);
+            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qf + d), x, a0);
+            if (n > 1) a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qf + q1 + d), x, a1);
+            if (n > 2) a2 = _mm512_fmadd_ps(_mm512_loadu_ps(qf + q2 + d), x, a2);
+            if (n > 3) a3 = _mm512_fmadd_ps(_mm512_loadu_ps(qf + q3 + d), x, a3);
+        }
+    }
+    float t[4];
+    hsum4x(a0, a1, a2, a3, scale, t, 1);
+    for (int64_t r = 0; r < n; r++) s[r * ss] = t[r];
+}
+
+/* One key for one row: its score (as sc_r1_k4_x's, into *s) and, with dov, its value row
+ * weighted by p into o, the K and V rows read side by side */
+static inline __attribute__((always_inline)) void dot_axpy1_512(const void *q, const char *k, int64_t D, float sg,
+                                                                float *s, float *o, const char *v, int64_t Dv,
+                                                                float p, int dov, const int bf) {
+    __m512 a = _mm512_setzero_ps();
+    const __m512 z = a, w = _mm512_set1_ps(p);
+    if (dov && D == Dv) {
+#ifdef HAVE_BF16DP
+        if (bf) {
+            const uint16_t *qh = (const uint16_t *)q, *kh = (const uint16_t *)k, *vh = (const uint16_t *)v;
+            for (int64_t d = 0; d < D; d += 32) {
+                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qh + d), (__m512bh)_mm512_loadu_si512(kh + d));
+                for (int64_t e = d; e < d + 32; e += 16) {
+                    const __m512 x = _mm512_castsi512_ps(
+                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vh + e))), 16));
+                    _mm512_storeu_ps(o + e, _mm512_fmadd_ps(w, x, _mm512_loadu_ps(o + e)));
+                }
+            }
+        } else
+#endif
+        {
+            const float *qf = (const float *)q, *kf = (const float *)k, *vf = (const float *)v;
+            for (int64_t d = 0; d < D; d += 16) {
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + d), _mm512_loadu_ps(kf + d), a);
+                _mm512_storeu_ps(o + d, _mm512_fmadd_ps(w, _mm512_loadu_ps(vf + d), _mm512_loadu_ps(o + d)));
+            }
+        }
+    } else {
+        sc_r1_k4_x(q, k, 0, 1, D, sg, s, bf);
+        if (dov) axpy1_512(o, v, Dv, p, bf);
+        return;
+    }
+    float t[4];
+    hsum4x(a, z, z, z, sg, t, 1);
+    *s = t[0];
+}
+
 /* 4-row groups (R >= 4, every row the same key range in this block): scores of the nk keys at
  * K into sn, values of the nv keys at V with weights sc into acc, all R rows */
 static inline __attribute__((always_inline)) void block_r4_512(const job_t *J, int64_t bh, int64_t r4, const char *K,
@@ -966,8 +1097,10 @@ static inline __attribute__((always_inline)) void block_r4_512(const job_t *J, i
             for (; j + 2 <= ik + gk; j += 2) sc2_r4_x(qr, D, K + j * kst, kst, D, sg, sn + r * ss + j, ss, bf);
             if (j < ik + gk) sc1_r4_x(qr, D, K + j * kst, D, sg, sn + r * ss + j, ss, bf);
         }
-        for (r = r4; r < R; r++)
-            for (int64_t j = ik; j < ik + gk; j++) dot1_x(q + r * D, K + j * kst, D, sn + r * ss + j, bf);
+        for (r = r4; r < R; r++) /* tail rows: a group row's score bits, one row at a time */
+            for (int64_t j = ik; j < ik + gk; j += 4)
+                sc_r1_k4_x((const char *)qg + r * D * qel, K + j * kst, kst, ik + gk - j < 4 ? ik + gk - j : 4, D, sg,
+                           sn + r * ss + j, bf);
         for (r = bf ? 0 : 2; r + 2 <= R; r += 2)
             vals2_x(acc + r * Dv, Dv, V + iv * vst, vst, gv, sc + r * ss + iv, ss, Dv, bf, NULL, D, NULL, 0, 0, 0.0f,
                     NULL, 0);
@@ -979,8 +1112,9 @@ static inline __attribute__((always_inline)) void block_r4_512(const job_t *J, i
 /* The rows of one block with different key ranges (windows, per-row ends): each row's values
  * over its own keys in order (the same fused multiply-adds as vals2_x), each group of 4 rows'
  * scores over the group's keys by sc1_r4_x (a row's score the same bits as block_r4_512's,
- * whatever the other rows), each kept where its row sees it. So a row's result does not
- * depend on the ranges of the rows that share its call (R % 4 == 0: decode_cpu pads). */
+ * whatever the other rows), each kept where its row sees it; the R % 4 rows after the last group
+ * over their own keys by sc_r1_k4_x (the same bits). So a row's result does not depend on the
+ * ranges of the rows that share its call, nor on their number. */
 static inline __attribute__((always_inline)) void block_ragged_512(const job_t *J, int64_t bh, const char *kb,
                                                                    int64_t kst, const char *vb, int64_t vst,
                                                                    const int64_t *rng, const float *sc, float *sn,
@@ -992,7 +1126,8 @@ static inline __attribute__((always_inline)) void block_ragged_512(const job_t *
         const char *V = vb + rng[4 * r] * vst;
         for (int64_t i = 0; i < rng[4 * r + 1]; i++) axpy1_x(acc + r * Dv, V + i * vst, Dv, sc[r * ss + i], bf);
     }
-    for (int64_t r = 0; r < R; r += 4) {
+    int64_t r = 0;
+    for (; r + 4 <= R; r += 4) {
         int64_t a = INT64_MAX, e = INT64_MIN;
         for (int64_t x = r; x < r + 4; x++)
             if (rng[4 * x + 3] > 0) {
@@ -1008,6 +1143,10 @@ static inline __attribute__((always_inline)) void block_ragged_512(const job_t *
             }
         }
     }
+    for (; r < R; r++)
+        for (int64_t j = 0; j < rng[4 * r + 3]; j += 4)
+            sc_r1_k4_x(qg + r * D * qel, kb + (rng[4 * r + 2] + j) * kst, kst, rng[4 * r + 3] - j < 4 ? rng[4 * r + 3] - j : 4,
+                       D, sg, sn + r * ss + j, bf);
 }
 #endif
 
@@ -1075,6 +1214,16 @@ static inline __attribute__((always_inline)) void run_task_fast_x(const job_t *J
      * blocks (and so its online softmax) do not depend on the other rows' ranges */
     const int64_t base = ulo - (ulo - s0) % BS, nb = (uhi - base + BS - 1) / BS;
     const float cap = J->softcap;
+#ifdef HAVE_AVX512
+    /* inv: every row's scores by the 4-row groups' arithmetic, in any call (a row's bits do not
+     * depend on the number or ranges of the rows beside it); qinv: the rows as the scores take them */
+#ifdef HAVE_BF16DP
+    const int inv = bf ? J->qb && D % 32 == 0 : D % 16 == 0;
+#else
+    const int inv = !bf && D % 16 == 0;
+#endif
+    const char *qinv = bf ? (const char *)(J->qb ? J->qb + bh * R * D : NULL) : (const char *)q;
+#endif
     /* block_tile_bf keeps q (in qp) and acc in even/odd order; perm: acc currently in it */
     const int tile = TILE_BF16 && bf && D % 16 == 0 && Dv % 16 == 0;
     int perm = 0;
@@ -1117,22 +1266,42 @@ static inline __attribute__((always_inline)) void run_task_fast_x(const job_t *J
         const int64_t ss = 2 * BS;
         float *sc = sbuf + (blk & 1) * BS, *sn = sbuf + ((blk + 1) & 1) * BS; /* this block's, the next's */
 #ifdef HAVE_AVX512
-#ifdef HAVE_BF16DP
-        if (r4 && (bf ? J->qb && D % 32 == 0 : D % 16 == 0)) {
-#else
-        if (r4 && !bf && D % 16 == 0) {
-#endif
+        if (r4 && inv) {
             if (perm) perm16(acc, R * Dv, 0), perm = 0;
             block_r4_512(J, bh, r4, kb + rng[2] * kst, kst, rng[3], sn, vb + rng[0] * vst, vst, rng[1], sc, ss, acc, bf);
             continue;
         }
-#ifdef HAVE_BF16DP
-        if (!uni && R % 4 == 0 && D == Dv && (bf ? J->qb && D % 32 == 0 : D % 16 == 0)) {
-#else
-        if (!uni && R % 4 == 0 && D == Dv && !bf && D % 16 == 0) {
-#endif
+        if (!uni && R >= 4 && D == Dv && inv) {
             if (perm) perm16(acc, R * Dv, 0), perm = 0;
             block_ragged_512(J, bh, kb, kst, vb, vst, rng, sc, sn, ss, acc, bf);
+            continue;
+        }
+        if (inv && uni && R > 1 && R < 4) { /* 2-3 rows: their scores of a key share one horizontal sum */
+            if (perm) perm16(acc, R * Dv, 0), perm = 0;
+            const float sg = bf ? J->scale : 1.0f;
+            const int64_t nv = rng[1], nk = rng[3];
+            const char *K = kb + rng[2] * kst, *V = vb + rng[0] * vst;
+            for (int64_t i = 0; i < nk || i < nv; i++) {
+                if (i < nk) sc_rn_k1_x(qinv, D, R, K + i * kst, D, sg, sn + i, ss, bf);
+                if (i < nv)
+                    for (int64_t r = 0; r < R; r++) axpy1_512(acc + r * Dv, V + i * vst, Dv, sc[r * ss + i], bf);
+            }
+            continue;
+        }
+        if (inv) { /* fewer than 4 rows (or D != Dv): row by row, a group row's score bits */
+            if (perm) perm16(acc, R * Dv, 0), perm = 0;
+            const float sg = bf ? J->scale : 1.0f;
+            for (int64_t i = 0; i < gmax; i++)
+                for (int64_t r = 0; r < R; r++) {
+                    const int64_t nv = rng[4 * r + 1], nk = rng[4 * r + 3];
+                    float *sc = sbuf + (r * 2 + (blk & 1)) * BS, *sn = sbuf + (r * 2 + ((blk + 1) & 1)) * BS;
+                    const char *K = kb + (rng[4 * r + 2] + i) * kst, *V = vb + (rng[4 * r] + i) * vst;
+                    const char *qr = qinv + r * D * (bf ? 2 : 4);
+                    if (i < nk)
+                        dot_axpy1_512(qr, K, D, sg, sn + i, acc + r * Dv, V, Dv, i < nv ? sc[i] : 0.0f, i < nv, bf);
+                    else if (i < nv)
+                        axpy1_512(acc + r * Dv, V, Dv, sc[i], bf);
+                }
             continue;
         }
 #endif

@@ -265,15 +265,13 @@ def decode_cpu(
         v = v.contiguous()
     lo_, hi_ = _rows(lo, B, R), _rows(hi, B, R)
     R0 = R
-    if R % 4 and (R > 4 or R == 3) and D == Dv and "avx512" in _state["features"]:
-        # AVX-512 runs rows in groups of 4 sharing each K/V load, and a tail row by itself, with
-        # other rounding: tails run padded to a group (zero rows, in the kernel), so a row's
-        # bits do not depend on how many rows share the call (a batched step's rows: the same
-        # as alone, for GQA groups of 3 or more). 3 tail rows cost more than a 4th row of zeros
-        # (R = 15 over 3.9k keys: 534 against 468 us). R = 3 (GQA groups of 3, one token) over
-        # 3.9k keys out of cache: 0.98x the time in float32 (0.93x over 16k), 0.56x in
-        # bfloat16, 0.77x bf16 K/V with float32 queries; over 45 keys 1.2x (15.8 against 19.2
-        # us). The pad rows take the last row's bounds (rows with equal bounds share the groups).
+    if R % 4 == 3 and k.dtype == torch.bfloat16 and D == Dv and "avx512" in _state["features"]:
+        # With AVX-512 every row's scores take the arithmetic of the kernel's groups of 4 rows
+        # (tail rows and calls of 1-3 rows too), so a row's bits do not depend on how many
+        # rows share the call, and padding is a matter of speed alone: in bfloat16, 3 tail rows
+        # run faster as a group with a 4th row of zeros (R = 3 over 3.9k keys: ~0.75x the
+        # time); in float32 they run faster by themselves (docs/benchmarks.md section 9). The
+        # pad rows take the last row's bounds (rows with equal bounds share the groups).
         R += 4 - R % 4
     # the kernel scales (and pads) the queries itself: float32 and bf16 go in as they are (bf16
     # with bf16 K/V also unscaled: with AVX512-BF16 the dot products take bf16 pairs directly)
