@@ -35,6 +35,7 @@ CASES = [
     ("float32 9/3 x 64, 1 token, S = 16", 1, 3, 3, 16, 64, torch.float32, 201),
     ("bf16 16/16 x 128 (MHA), 1 token, S = 128k", 1, 16, 1, 128 * 1024, 128, torch.bfloat16, 11),
     ("float32 8/4 x 256 (G = 2), 1 token, S = 8k", 1, 4, 2, 8192, 256, torch.float32, 41),
+    ("bf16 8/4 x 256 (G = 2), 1 token, S = 8k", 1, 4, 2, 8192, 256, torch.bfloat16, 41),
     ("bf16 9/3 x 64, 1 token, S = 3.9k", 1, 3, 3, 3900, 64, torch.bfloat16, 41),
     ("float32 9/3 x 64, 2 tokens (R = 6), S = 3.9k", 1, 3, 6, 3900, 64, torch.float32, 41),
     ("float32 9/3 x 64, 5 tokens (R = 15), S = 3.9k", 1, 3, 15, 3900, 64, torch.float32, 41),
