@@ -168,6 +168,10 @@ def test_bad_arguments_are_named():
         merge_states(o, l.tolist(), o, l)
     with pytest.raises(TypeError, match="torch.stack a list first"):
         merge_states_n([o, o], [l, l])
+    with pytest.raises(TypeError, match="merge_states: out_a must be a floating point tensor, got torch.int64"):
+        merge_states(o.long(), l, o, l)  # integer outputs would be silently averaged as floats
+    with pytest.raises(TypeError, match="floating point"):
+        merge_states_n(torch.stack([o, o]), torch.stack([l, l]).int())
 
 
 @settings(max_examples=100, deadline=None)

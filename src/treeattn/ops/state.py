@@ -62,11 +62,14 @@ def merge_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> 
         ``(0, -inf)``, never NaN. Stable for any finite lse difference (e.g. ±1e4).
 
     Raises:
-        TypeError: a non-tensor argument. ValueError: shapes that do not broadcast as above.
+        TypeError: a non-tensor or non-floating-point argument. ValueError: shapes that do not
+            broadcast as above.
     """
     for name, t in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
         if not isinstance(t, Tensor):
             raise TypeError(f"merge_states: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():  # torch.stack would promote it silently
+            raise TypeError(f"merge_states: {name} must be a floating point tensor, got {t.dtype}")
     try:
         out, lse = torch.broadcast_tensors(out_a, out_b), torch.broadcast_tensors(lse_a, lse_b)
         ok = out[0].ndim > 0 and out[0].shape[:-1] == lse[0].shape
@@ -94,7 +97,8 @@ def merge_states_n(out: Tensor, lse: Tensor, dim: int = 0) -> tuple[Tensor, Tens
         N = 0 or all-empty inputs give ``(0, -inf)``.
 
     Raises:
-        TypeError: out or lse not a tensor (e.g. a list of states: stack them first).
+        TypeError: out or lse not a tensor (e.g. a list of states: stack them first), or not
+            floating point.
         ValueError: ``lse.shape != out.shape[:-1]``.
     """
     if not isinstance(out, Tensor) or not isinstance(lse, Tensor):
@@ -102,6 +106,8 @@ def merge_states_n(out: Tensor, lse: Tensor, dim: int = 0) -> tuple[Tensor, Tens
             f"merge_states_n: out and lse must be stacked torch.Tensors (torch.stack a list first), got "
             f"{type(out).__name__} and {type(lse).__name__}"
         )
+    if not (out.is_floating_point() and lse.is_floating_point()):
+        raise TypeError(f"merge_states_n: out and lse must be floating point tensors, got {out.dtype} and {lse.dtype}")
     if out.shape[:-1] != lse.shape:
         raise ValueError(f"merge_states_n: out.shape[:-1] {tuple(out.shape[:-1])} != lse.shape {tuple(lse.shape)}")
     dim = dim % lse.ndim
