@@ -422,6 +422,22 @@ def test_a_rows_bits_do_not_depend_on_how_many_rows_share_the_call(dtype, D, Dv,
     assert max_err(out, ro) < (1e-2 if dtype == torch.bfloat16 else 1e-5) and max_err(lse, rl) < 1e-4
 
 
+@pytest.mark.skipif("avx512" not in DC.kernel_features(), reason="row groups of 4 need the AVX-512 build")
+@pytest.mark.parametrize("qdtype,kdtype,D", [(torch.float32, torch.bfloat16, 64), (torch.bfloat16, torch.bfloat16, 48),
+                                             (torch.float32, torch.float32, 40)])  # fmt: skip
+def test_outside_the_groups_calls_of_3_rows_or_more_still_agree(qdtype, kdtype, D):
+    """Where the groups of 4 do not run (bf16 K/V with float32 queries, head dims the groups do
+    not take), tail rows run padded: a row's bits are the same in every call of 3 or more rows."""
+    S, m = 300, 8
+    g = torch.Generator().manual_seed(D)
+    k, v = (torch.randn(1, 2, S, D, generator=g).to(kdtype) for _ in range(2))
+    q = torch.randn(1, 2, m, D, generator=g).to(qdtype)
+    full, lse = decode_cpu(q, k, v, D**-0.5)
+    for R in range(3, m):
+        o, l = decode_cpu(q[:, :, :R], k, v, D**-0.5)
+        assert torch.equal(o, full[:, :, :R]) and torch.equal(l, lse[:, :, :R]), R
+
+
 def test_no_rows_no_sequences_no_heads_and_zero_dv():
     """Empty calls give empty results (torch's empty tensors have no data pointer); Dv = 0 is
     a ValueError, not a failed allocation."""

@@ -1288,7 +1288,7 @@ static inline __attribute__((always_inline)) void run_task_fast_x(const job_t *J
             }
             continue;
         }
-        if (inv) { /* fewer than 4 rows (or D != Dv): row by row, a group row's score bits */
+        if (inv) { /* 1-3 rows, or D != Dv: row by row (each its own range), a group row's score bits */
             if (perm) perm16(acc, R * Dv, 0), perm = 0;
             const float sg = bf ? J->scale : 1.0f;
             for (int64_t i = 0; i < gmax; i++)

@@ -245,8 +245,8 @@ def decode_cpu(
             are cut in splits of 8,192, the (sequence, head, split) tasks spread over the
             threads and each row's splits merged in order: with the compiled kernel a row's
             result does not depend on the thread count, the other sequences or S beyond its
-            own keys (with AVX-512 and float32 K/V, or bf16 K/V and queries with AVX512-BF16,
-            not on the other rows' bounds either).
+            own keys (with AVX-512 and float32 K/V, D % 16 == 0, or bf16 K/V and queries with
+            AVX512-BF16, D % 32 == 0, not on the other rows' bounds or number either).
 
     Returns:
         ``(out float32 [B, Hkv, R, Dv], lse float32 [B, Hkv, R])``, lse the natural log of
@@ -265,14 +265,24 @@ def decode_cpu(
         v = v.contiguous()
     lo_, hi_ = _rows(lo, B, R), _rows(hi, B, R)
     R0 = R
-    if R % 4 == 3 and k.dtype == torch.bfloat16 and D == Dv and "avx512" in _state["features"]:
-        # With AVX-512 every row's scores take the arithmetic of the kernel's groups of 4 rows
-        # (tail rows and calls of 1-3 rows too), so a row's bits do not depend on how many
-        # rows share the call, and padding is a matter of speed alone: in bfloat16, 3 tail rows
-        # run faster as a group with a 4th row of zeros (R = 3 over 3.9k keys: ~0.75x the
-        # time); in float32 they run faster by themselves (docs/benchmarks.md section 9). The
-        # pad rows take the last row's bounds (rows with equal bounds share the groups).
-        R += 4 - R % 4
+    feats = _state["features"]
+    if R % 4 and D == Dv and "avx512" in feats:
+        # AVX-512 runs rows in groups of 4 sharing each K/V load. Where those groups run
+        # (float32 K/V with D % 16 == 0; bf16 K/V and queries with AVX512-BF16 and D % 32 == 0)
+        # every other row's scores take the groups' arithmetic too (tail rows, calls of 1-3
+        # rows), so a row's bits do not depend on how many rows share the call and the pad is
+        # a matter of speed: bf16 runs 3 tail rows faster as a group with a 4th row of zeros
+        # (R = 3 over 3.9k keys: ~0.75x the time), float32 faster by themselves
+        # (docs/benchmarks.md section 9). Elsewhere (bf16 K/V with float32 queries, other head
+        # dims, no AVX512-BF16) a tail row runs with other rounding, so tails over 4 rows and
+        # R = 3 run padded: a row's bits are the same in every call of 3 rows or more. The pad
+        # rows take the last row's bounds (rows with equal bounds share the groups).
+        if k.dtype == torch.float32:
+            groups = D % 16 == 0
+        else:
+            groups = k.dtype == torch.bfloat16 and qg.dtype == torch.bfloat16 and D % 32 == 0 and "avx512bf16" in feats
+        if (R % 4 == 3 and k.dtype == torch.bfloat16) if groups else (R > 4 or R == 3):
+            R += 4 - R % 4
     # the kernel scales (and pads) the queries itself: float32 and bf16 go in as they are (bf16
     # with bf16 K/V also unscaled: with AVX512-BF16 the dot products take bf16 pairs directly)
     if qg.dtype not in _QDTYPES:
