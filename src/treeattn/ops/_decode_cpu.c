@@ -16,9 +16,10 @@
  * bf16 cases take the AVX2 loop).  Where those groups run, every other row's scores (tail rows,
  * calls of 1-3 rows, rows of their own ranges) take the same arithmetic one row at a time
  * (sc_r1_k4_x, sc_rn_k1_x, dot_axpy1_512), and values are elementwise fused multiply-adds in key
- * order everywhere: a row's bits do not depend on the rows that share its call.  AVX2 builds without AVX-512 run bf16 rows that see the
- * same keys as register tiles over groups of keys instead (block_tile_bf; D, Dv % 16 == 0).  Generic path (fp16,
- * other head dims, no AVX2): blocks converted to float32 in L1, then plain loops.
+ * order everywhere: a row's bits do not depend on the rows that share its call.  AVX2 builds
+ * without AVX-512 run bf16 rows that see the same keys as register tiles over groups of keys
+ * instead (block_tile_bf; D, Dv % 16 == 0).  Generic path (fp16, other head dims, no AVX2):
+ * blocks converted to float32 in L1, then plain loops.
  * Built on first use by _decode_cpu.py (gcc -O3 -march=native -fopenmp-simd). */
 #include <math.h>
 #include <pthread.h>
