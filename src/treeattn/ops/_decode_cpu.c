@@ -801,21 +801,23 @@ static inline __attribute__((always_inline)) void hsum4x(__m512 a0, __m512 a1, _
     _mm_store_ss(s + 3 * ss, _mm_shuffle_ps(y, y, 3));
 }
 
-/* scores of 4 query rows (qs apart) against nk keys (ks bytes apart), one key at a time:
- * s[r * ss + i] = scale * q_r . k_i. bf16 (AVX512-BF16): q is bf16 and vdpbf16ps multiplies
- * pairs into float32; float32: q already scaled (scale 1). */
-static inline __attribute__((always_inline)) void sc1_r4_x(const void *q, int64_t qs, const char *k, int64_t D,
-                                                           float scale, float *s, int64_t ss, const int bf) {
+/* Scores of n <= 4 query rows (qs elements apart) against one key k: s[r * ss] = scale *
+ * q_r . k. bf16 (AVX512-BF16): q is bf16 and vdpbf16ps multiplies pairs into float32; float32:
+ * q already scaled (scale 1). Rows beyond n are not computed; a row's bits do not depend on n. */
+static inline __attribute__((always_inline)) void sc_rn_k1_x(const void *q, int64_t qs, int64_t n, const char *k,
+                                                             int64_t D, float scale, float *s, int64_t ss,
+                                                             const int bf) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const int64_t q1 = n > 1 ? qs : 0, q2 = n > 2 ? 2 * qs : 0, q3 = n > 3 ? 3 * qs : 0;
 #ifdef HAVE_BF16DP
     if (bf) {
         const uint16_t *qh = (const uint16_t *)q, *k0 = (const uint16_t *)k;
         for (int64_t d = 0; d < D; d += 32) {
             const __m512bh x = (__m512bh)_mm512_loadu_si512(k0 + d);
             a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(qh + d), x);
-            a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(qh + qs + d), x);
-            a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(qh + 2 * qs + d), x);
-            a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(qh + 3 * qs + d), x);
+            if (n > 1) a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(qh + q1 + d), x);
+            if (n > 2) a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(qh + q2 + d), x);
+            if (n > 3) a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(qh + q3 + d), x);
         }
     } else
 #endif
@@ -824,12 +826,24 @@ static inline __attribute__((always_inline)) void sc1_r4_x(const void *q, int64_
         for (int64_t d = 0; d < D; d += 16) {
             const __m512 x = _mm512_loadu_ps(k0 + d);
             a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qf + d), x, a0);
-            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qf + qs + d), x, a1);
-            a2 = _mm512_fmadd_ps(_mm512_loadu_ps(qf + 2 * qs + d), x, a2);
-            a3 = _mm512_fmadd_ps(_mm512_loadu_ps(qf + 3 * qs + d), x, a3);
+            if (n > 1) a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qf + q1 + d), x, a1);
+            if (n > 2) a2 = _mm512_fmadd_ps(_mm512_loadu_ps(qf + q2 + d), x, a2);
+            if (n > 3) a3 = _mm512_fmadd_ps(_mm512_loadu_ps(qf + q3 + d), x, a3);
         }
     }
-    hsum4x(a0, a1, a2, a3, scale, s, ss);
+    if (n == 4) {
+        hsum4x(a0, a1, a2, a3, scale, s, ss);
+        return;
+    }
+    float t[4];
+    hsum4x(a0, a1, a2, a3, scale, t, 1);
+    for (int64_t r = 0; r < n; r++) s[r * ss] = t[r];
+}
+
+/* the scores of 4 query rows against one key (sc_rn_k1_x) */
+static inline __attribute__((always_inline)) void sc1_r4_x(const void *q, int64_t qs, const char *k, int64_t D,
+                                                           float scale, float *s, int64_t ss, const int bf) {
+    sc_rn_k1_x(q, qs, 4, k, D, scale, s, ss, bf);
 }
 
 /* sc1_r4_x for two keys at once (k, k + ks): each q load serves both */
@@ -1000,40 +1014,6 @@ static inline __attribute__((always_inline)) void axpy1_512(float *o, const char
                             : _mm512_loadu_ps((const float *)v + d);
         _mm512_storeu_ps(o + d, _mm512_fmadd_ps(w, x, _mm512_loadu_ps(o + d)));
     }
-}
-
-/* Scores of n <= 4 query rows (qs elements apart) against one key k into s[r * ss]: a row of
- * sc1_r4_x's arithmetic (rows beyond n are not computed) */
-static inline __attribute__((always_inline)) void sc_rn_k1_x(const void *q, int64_t qs, int64_t n, const char *k,
-                                                             int64_t D, float scale, float *s, int64_t ss,
-                                                             const int bf) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    const int64_t q1 = n > 1 ? qs : 0, q2 = n > 2 ? 2 * qs : 0, q3 = n > 3 ? 3 * qs : 0;
-#ifdef HAVE_BF16DP
-    if (bf) {
-        const uint16_t *qh = (const uint16_t *)q, *k0 = (const uint16_t *)k;
-        for (int64_t d = 0; d < D; d += 32) {
-            const __m512bh x = (__m512bh)_mm512_loadu_si512(k0 + d);
-            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(qh + d), x);
-            if (n > 1) a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(qh + q1 + d), x);
-            if (n > 2) a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(qh + q2 + d), x);
-            if (n > 3) a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(qh + q3 + d), x);
-        }
-    } else
-#endif
-    {
-        const float *qf = (const float *)q, *k0 = (const float *)k;
-        for (int64_t d = 0; d < D; d += 16) {
-            const __m512 x = _mm512_loadu_ps(k0 + d);
-            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qf + d), x, a0);
-            if (n > 1) a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qf + q1 + d), x, a1);
-            if (n > 2) a2 = _mm512_fmadd_ps(_mm512_loadu_ps(qf + q2 + d), x, a2);
-            if (n > 3) a3 = _mm512_fmadd_ps(_mm512_loadu_ps(qf + q3 + d), x, a3);
-        }
-    }
-    float t[4];
-    hsum4x(a0, a1, a2, a3, scale, t, 1);
-    for (int64_t r = 0; r < n; r++) s[r * ss] = t[r];
 }
 
 /* One key for one row: its score (as sc_r1_k4_x's, into *s) and, with dov, its value row
