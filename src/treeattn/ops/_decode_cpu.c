@@ -1204,6 +1204,7 @@ static inline __attribute__((always_inline)) void run_task_fast_x(const job_t *J
     const int inv = !bf && D % 16 == 0;
 #endif
     const char *qinv = bf ? (const char *)(J->qb ? J->qb + bh * R * D : NULL) : (const char *)q;
+    const float sg = bf ? J->scale : 1.0f; /* the scores' scale: float32 q is scaled already */
 #endif
     /* block_tile_bf keeps q (in qp) and acc in even/odd order; perm: acc currently in it */
     const int tile = TILE_BF16 && bf && D % 16 == 0 && Dv % 16 == 0;
@@ -1259,7 +1260,6 @@ static inline __attribute__((always_inline)) void run_task_fast_x(const job_t *J
         }
         if (inv && uni && R > 1 && R < 4) { /* 2-3 rows: their scores of a key share one horizontal sum */
             if (perm) perm16(acc, R * Dv, 0), perm = 0;
-            const float sg = bf ? J->scale : 1.0f;
             const int64_t nv = rng[1], nk = rng[3];
             const char *K = kb + rng[2] * kst, *V = vb + rng[0] * vst;
             for (int64_t i = 0; i < nk || i < nv; i++) {
@@ -1271,7 +1271,6 @@ static inline __attribute__((always_inline)) void run_task_fast_x(const job_t *J
         }
         if (inv) { /* 1-3 rows, or D != Dv: row by row (each its own range), a group row's score bits */
             if (perm) perm16(acc, R * Dv, 0), perm = 0;
-            const float sg = bf ? J->scale : 1.0f;
             for (int64_t i = 0; i < gmax; i++)
                 for (int64_t r = 0; r < R; r++) {
                     const int64_t nv = rng[4 * r + 1], nk = rng[4 * r + 3];
