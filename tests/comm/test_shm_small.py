@@ -101,6 +101,58 @@ def bitwise_worker() -> None:
             st = shm_small._GROUPS[group_or_world(group)]
             assert isinstance(st, shm_small._Small) and st.round > 40, (group, st)
 
+    # the compiled round of the all-gather strategy (gather and merge in one call) against gloo's
+    # all-gather and the same merge: bitwise, with empty (+-inf) and undefined (NaN) states, a
+    # lagging rank (the compiled wait gives up, the Python wait takes over), and one rank of each
+    # group on the Python path (the two paths exchange with each other)
+    from treeattn.comm import collectives, strategies
+    from treeattn.ops.packed import merge_packed
+
+    seen = {"compiled": 0, "waited": 0}
+    gm, rd = shm_small._Small.gather_merge, shm_small._Small._read
+
+    def counted(self, *a):
+        got = gm(self, *a)
+        seen["compiled"] += got is not None
+        return got
+
+    def read(self, *a):
+        seen["waited"] += 1
+        return rd(self, *a)
+
+    shm_small._Small.gather_merge, shm_small._Small._read = counted, read
+    try:
+        for i in range(150):
+            group, member = groups[i % 3]
+            if not member:
+                continue
+            r, gp = dist.get_rank(group), dist.get_world_size(group)
+            local = torch.Generator().manual_seed(50_000 + 10 * i + r)
+            H, Dv = 1 + i % 4, (8, 64, 3)[i % 3]
+            out, lse = torch.randn(2, H, 1, Dv, generator=local), torch.randn(2, H, 1, generator=local) * 30
+            special = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0])
+            pick = torch.randint(0, 12, lse.shape, generator=local)
+            lse = torch.where(pick < 4, special[pick.clamp(max=3)], lse)
+            if i % 7 == 3 and r == gp - 1:  # a late rank
+                time.sleep(0.02)
+            python_path = i % 5 == 1 and r == 0
+            if python_path:
+                saved, collectives.gather_merge = strategies.gather_merge, lambda *a: None
+                strategies.gather_merge = collectives.gather_merge
+            try:
+                a = strategies.reduce_states(out, lse, group=group, strategy="allgather")
+            finally:
+                if python_path:
+                    strategies.gather_merge = collectives.gather_merge = saved
+            ref = merge_packed(_gloo(all_gather, group, torch.cat([out, lse.unsqueeze(-1)], -1), group))
+            what = f"states {i} group size {gp}"
+            assert all(torch.equal(x, y) or (x.isnan() == y.isnan()).all() and torch.equal(x.nan_to_num(), y.nan_to_num())
+                       for x, y in zip(a, ref, strict=True)), what  # fmt: skip
+    finally:
+        shm_small._Small.gather_merge, shm_small._Small._read = gm, rd
+    assert seen["compiled"] > 60, seen
+    assert seen["waited"] > 0, seen  # some rounds outwaited the compiled spin
+
     # Tree decoding's reduction (allgather, allreduce2): the same bits either way
     for strategy in ("allgather", "allreduce2"):
         g = torch.Generator().manual_seed(rank)
@@ -120,11 +172,15 @@ def test_small_collectives_bitwise_as_gloo():
     assert _ours() == before, "segments left in /dev/shm"
 
 
-def fault_worker(outdir: str, how: str) -> None:
+def fault_worker(outdir: str, how: str, op: str) -> None:
     from treeattn.comm.collectives import CollectiveError, all_gather
+    from treeattn.comm.strategies import reduce_states
 
     rank = dist.get_rank()
     x = torch.ones(64)
+    if op == "states":  # the compiled round of the all-gather strategy
+        def all_gather(x, group):  # noqa: F811
+            return reduce_states(x.reshape(4, 16), x[:4], group=group, strategy="allgather")
     for _ in range(20):
         all_gather(x, None)
     if rank == 2:
@@ -139,12 +195,13 @@ def fault_worker(outdir: str, how: str) -> None:
         raise SystemExit(1) from e
 
 
-@pytest.mark.parametrize("how", ["kill", "stall"])
-def test_peer_killed_or_stalled_mid_exchange(tmp_path, how):
+@pytest.mark.parametrize("how,op", [("kill", "all_gather"), ("stall", "all_gather"), ("kill", "states"),
+                                    ("stall", "states")])  # fmt: skip
+def test_peer_killed_or_stalled_mid_exchange(tmp_path, how, op):
     before = _ours()
     t0 = time.monotonic()
     with watch_children(3), pytest.raises(LaunchError):
-        launch(fault_worker, 3, (str(tmp_path), how), timeout=60, collective_timeout=4)
+        launch(fault_worker, 3, (str(tmp_path), how, op), timeout=60, collective_timeout=4)
     assert time.monotonic() - t0 < 40
     for r in (0, 1):
         waited, msg = Path(tmp_path, f"{r}.txt").read_text().split("\n", 1)

@@ -51,6 +51,24 @@ def all_gather(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     return _pg.all_gather(t, group)
 
 
+def gather_merge(out: Tensor, lse: Tensor, group: dist.ProcessGroup | None) -> tuple[Tensor, Tensor] | None:
+    """The all-gather of the packed states ``[out | lse]`` and their merge in rank order
+    (:func:`~treeattn.ops.packed.merge_packed` of :func:`all_gather`'s result, bitwise) in one
+    compiled call where this group's ranks share memory (``out [..., Dv]``, ``lse [...]``
+    float32 CPU tensors of a group of two or more); None elsewhere: the caller gathers and merges."""
+    if out.dtype != torch.float32 or lse.dtype != torch.float32 or out.device.type != "cpu":
+        return None
+    n = (out.numel() + lse.numel()) * 4
+    sm = small_group(group, out, n, "all_gather")
+    if sm is None or len(sm.maps) < 2:
+        return None
+    got = sm.gather_merge(out.contiguous(), lse.contiguous())
+    if got is not None:
+        p = len(sm.maps)
+        meter.record("all_gather", (p - 1) * n, (p - 1) * n)
+    return got
+
+
 def broadcast(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     """``t`` of the group's rank 0 on every rank (in place; every rank passes a tensor of the
     same shape and dtype). A host tensor travels through the current CUDA device on NCCL."""

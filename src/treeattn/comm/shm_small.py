@@ -18,6 +18,12 @@ share cores (tests run more ranks than cores) still make progress. A peer that e
 dies (its process is gone or a zombie) ends the wait at once with :class:`CollectiveError`;
 a peer that stalls ends it at the group's collective timeout. Never an endless spin.
 
+Tree decoding's state reduction (the all-gather strategy: gather, then merge in rank order)
+runs a round in one compiled call where the decode kernel is built (``ops/_merge_shm.c``,
+this protocol byte for byte, so ranks on either path exchange with each other): ~20 µs a
+call at p = 2 against ~60 through the Python steps. It waits for a peer :data:`SPINS` pauses
+at most, then hands the wait to the loop above.
+
 ``all_reduce`` gathers and reduces in rank order on every rank: the result is identical on
 every rank and, for MAX/MIN and integers, bitwise gloo's; a float SUM over three or more
 ranks may round differently from gloo's (it is gloo's to within rounding). ``TREEATTN_SHM=0``
@@ -26,6 +32,7 @@ turns this off (as it does the ring's exchange).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import secrets
@@ -37,9 +44,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..ops._decode_cpu import merge_packed_cpu, shm_gather_merge
 from . import _pg, meter
 from .shm import _DIR, as_tensor, map_group
 
+SPINS = 20000  # pauses the compiled round waits for a peer before the Python wait takes over
 SMALL = 1 << 20  # bytes of the largest payload per rank that goes through shared memory
 _HEAD = 4096  # header: int64 words [round, pid, start time]; the slots follow, page-aligned
 _SLOT = SMALL + 4096
@@ -78,6 +87,7 @@ class _Small:
         self.own = self.bufs[rank]
         self.timeout = _timeout(group)
         self.pids: list[int | None] = []  # peers whose liveness /proc can tell (None: only the timeout)
+        self.segs = (ctypes.c_void_p * len(maps))(*[b.data_ptr() for b in self.bufs])  # for the compiled round
 
     @property
     def group(self):
@@ -155,6 +165,38 @@ class _Small:
             else:
                 self._read(j, r, off, dst[j])
         return out
+
+    def gather_merge(self, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor] | None:
+        """The all-gather of this rank's state ``out [..., Dv]``, ``lse [...]`` (float32,
+        contiguous) packed as ``[out | lse]`` rows, and the merge of the ``p`` states in rank order
+        (:func:`~treeattn.ops.packed.merge_packed`'s result, bitwise), in one compiled call
+        (``ops/_merge_shm.c``, this class's protocol byte for byte); None without the compiled
+        kernel, or when a peer is still reading this rank's slot (nothing sent: the caller takes
+        the general path). A peer that is slow to arrive is waited for here, with the liveness
+        checks and the timeout of every round."""
+        f = shm_gather_merge()
+        if f is None:
+            return None
+        self._op = "all_gather"
+        p, Dv = len(self.maps), out.shape[-1]
+        R = lse.numel()
+        r = self.round + 1
+        off = _HEAD + (r % 2) * _SLOT
+        buf, o, ls = torch.empty(p, R, Dv + 1), torch.empty(out.shape), torch.empty(lse.shape)
+        got = f(self.segs, p, self.rank, r, off, out.data_ptr(), lse.data_ptr(), R, Dv, SPINS, buf.data_ptr(),
+                o.data_ptr(), ls.data_ptr())  # fmt: skip
+        if got == 1:
+            return None
+        self.round = r
+        if got == 2:  # published; a peer not there yet (or a bad slot: _read says what)
+            dst = buf.view(torch.uint8).view(p, -1)
+            for j in range(p):
+                if j != self.rank:
+                    self._read(j, r, off, dst[j])
+            m = merge_packed_cpu(buf)
+            assert m is not None  # the kernel is loaded: f came from it
+            return m[0].view(out.shape), m[1].view(lse.shape)
+        return o, ls
 
     def broadcast(self, t: Tensor) -> None:
         """``t`` of rank 0, in place (``t`` contiguous)."""

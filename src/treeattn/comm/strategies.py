@@ -29,7 +29,7 @@ from ..cost.model import Cluster, choose, reduction_costs
 from ..cost.profile import resolve
 from ..ops.packed import merge_packed
 from . import meter
-from .collectives import all_gather, all_reduce, group_or_world, world
+from .collectives import all_gather, all_reduce, gather_merge, group_or_world, world
 from .topology import Topology, node_groups
 
 STRATEGIES: tuple[str, ...] = ("auto", "allreduce3", "allreduce2", "allgather", "hierarchical")
@@ -127,10 +127,11 @@ def reduce_states(
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     _, p = world(group)
     acc = torch.float64 if out.dtype == torch.float64 else torch.float32
-    out, lse = out.to(acc), lse.to(acc)
+    out, lse = (x if x.dtype == acc else x.to(acc) for x in (out, lse))
     if p == 1:
         return out, torch.where(lse == float("inf"), float("-inf"), lse)  # NaN (undefined) propagates
-    topology = topology if topology is not None else Topology.from_env()
+    if topology is None and strategy in ("auto", "hierarchical"):
+        topology = Topology.from_env()
     if strategy == "auto":
         strategy = _auto(profile, group, out.numel() * 4, lse.numel() * 4, p, _ranks_per_node(p, topology))
     with meter.label(strategy):  # the all-gather merges treat +inf as empty themselves
@@ -171,6 +172,9 @@ def auto_model(profile: Any = None, group: dist.ProcessGroup | None = None) -> t
 
 
 def _allgather(out: Tensor, lse: Tensor, group) -> tuple[Tensor, Tensor]:
+    got = gather_merge(out, lse, group)  # ranks of one host: one compiled call
+    if got is not None:
+        return got
     buf = all_gather(torch.cat([out, lse.unsqueeze(-1)], -1), group)
     return merge_packed(buf)
 

@@ -40,7 +40,7 @@ from .state import empty_state, merge_states
 __all__ = ["decode_cpu", "decode_torch", "kernel_available", "kernel_features", "kernel_info"]
 
 _SRCS = tuple(Path(__file__).with_name(f) for f in ("_decode_cpu.c", "_prefill_cpu.c", "_merge_cpu.c",
-                                                    "_linear_cpu.c"))  # one .so
+                                                    "_merge_shm.c", "_linear_cpu.c"))  # one .so
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _QDTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # -fopenmp: the prefill kernel's threads come from torch's OpenMP pool (libgomp.so.1, already
@@ -145,6 +145,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         lib.treeattn_features.restype = ctypes.c_int
         lib.treeattn_merge.argtypes = [vp, i64, i64, i64, vp, vp]
         lib.treeattn_merge.restype = ctypes.c_int
+        lib.treeattn_shm_gather_merge.argtypes = [ctypes.POINTER(vp)] + [i64] * 4 + [vp, vp] + [i64] * 3 + [vp] * 3
+        lib.treeattn_shm_gather_merge.restype = ctypes.c_int
         lib.treeattn_prefill_available.restype = ctypes.c_int
         lib.treeattn_linear_pack.argtypes = [vp, i64, i64, vp]
         lib.treeattn_linear_pack.restype = None
@@ -199,6 +201,13 @@ def merge_packed_cpu(buf: Tensor) -> tuple[Tensor, Tensor] | None:
     lse = torch.empty(buf.shape[1:-1], dtype=torch.float32)
     lib.treeattn_merge(buf.data_ptr(), p, lse.numel(), Dv, out.data_ptr(), lse.data_ptr())
     return out, lse
+
+
+def shm_gather_merge():
+    """The compiled all-gather round and merge of packed states through shared memory
+    (``_merge_shm.c``, used by :mod:`treeattn.comm.shm_small`), or None without the kernel."""
+    lib = _lib()
+    return None if lib is None else lib.treeattn_shm_gather_merge
 
 
 def kernel_available() -> bool:
