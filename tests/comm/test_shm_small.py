@@ -5,8 +5,10 @@ all_gather and broadcast equals gloo's bit for bit, every all_reduce is identica
 rank and bitwise gloo's for MAX/MIN/integers and for SUM at p = 2, within rounding of it for
 a float SUM over more ranks; across hundreds of rounds with random stalls (slot reuse),
 payload sizes at and over the limit, odd dtypes and non-contiguous inputs. Tree decoding's
-reduction through it equals the gloo path's bit for bit. A peer killed mid-exchange, or one
-that stalls, ends every other rank with CollectiveError (at once, or at the collective
+reduction through it equals the gloo path's bit for bit, the compiled round of the all-gather
+strategy included (empty and undefined states, a late rank, ranks on the Python path beside
+it). A peer killed mid-exchange, or one that stalls (in an all-gather or in the compiled
+round), ends every other rank with CollectiveError (at once, or at the collective
 timeout), with no process and no segment left."""
 
 from __future__ import annotations
@@ -178,18 +180,18 @@ def fault_worker(outdir: str, how: str, op: str) -> None:
 
     rank = dist.get_rank()
     x = torch.ones(64)
+    step = all_gather
     if op == "states":  # the compiled round of the all-gather strategy
-        def all_gather(x, group):  # noqa: F811
-            return reduce_states(x.reshape(4, 16), x[:4], group=group, strategy="allgather")
+        step = lambda x, group: reduce_states(x.reshape(4, 16), x[:4], group=group, strategy="allgather")  # noqa: E731
     for _ in range(20):
-        all_gather(x, None)
+        step(x, None)
     if rank == 2:
         if how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)  # stalls past the collective timeout
     t0 = time.monotonic()
     try:
-        all_gather(x, None)
+        step(x, None)
     except CollectiveError as e:
         Path(outdir, f"{rank}.txt").write_text(f"{time.monotonic() - t0}\n{e}")
         raise SystemExit(1) from e

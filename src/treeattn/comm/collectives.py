@@ -56,7 +56,9 @@ def gather_merge(out: Tensor, lse: Tensor, group: dist.ProcessGroup | None) -> t
     (:func:`~treeattn.ops.packed.merge_packed` of :func:`all_gather`'s result, bitwise) in one
     compiled call where this group's ranks share memory (``out [..., Dv]``, ``lse [...]``
     float32 CPU tensors of a group of two or more); None elsewhere: the caller gathers and merges."""
-    if out.dtype != torch.float32 or lse.dtype != torch.float32 or out.device.type != "cpu":
+    if out.dtype != torch.float32 or lse.dtype != torch.float32 or out.device.type != "cpu" or lse.device.type != "cpu":
+        return None
+    if out.ndim == 0 or out.shape[:-1] != lse.shape:  # the general path says what is wrong
         return None
     n = (out.numel() + lse.numel()) * 4
     sm = small_group(group, out, n, "all_gather")
