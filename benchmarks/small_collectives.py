@@ -3,7 +3,8 @@
 paths block by block, so drift hits both): µs per call in blocks of 25 back-to-back calls, the
 median of ``--reps`` calls' blocks, on rank 0; and the whole
 state reduction of Tree decoding (``reduce_states``, strategy allgather: the all-gather and the
-merge) for a SmolLM2-135M-shaped state (9 heads x 64) and a Llama-8B-shaped one (32 x 128).
+merge) for a SmolLM2-135M-shaped state (9 heads x 64) and a Llama-8B-shaped one (32 x 128);
+then that reduction through /dev/shm as one compiled call against the Python steps, alternating.
 Not a test: it prints what it measured.
 
     python benchmarks/small_collectives.py --nproc 2
@@ -57,11 +58,34 @@ def worker(reps: int) -> None:
     for name, (H, D) in {"SmolLM2-135M (9 x 64)": (9, 64), "Llama-8B (32 x 128)": (32, 128)}.items():
         out, lse = torch.randn(1, H, 1, D), torch.randn(1, H, 1)
         rows.append((f"reduce_states {name}", *med(lambda o=out, s=lse: reduce_states(o, s, strategy="allgather"))))
+    # the all-gather strategy's round through /dev/shm: one compiled call, or the Python steps
+    # (all_gather, then the merge), alternating block by block
+    from treeattn.comm import strategies
+
+    gm, rounds = strategies.gather_merge, []
+    for name, (H, D) in {"SmolLM2-135M (9 x 64)": (9, 64), "Llama-8B (32 x 128)": (32, 128)}.items():
+        out, lse = torch.randn(1, H, 1, D), torch.randn(1, H, 1)
+        t = {True: [], False: []}
+        for i in range(2 * max(reps // 25, 1)):
+            compiled = i % 2 == 0
+            strategies.gather_merge = gm if compiled else (lambda *a: None)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(25):
+                reduce_states(out, lse, strategy="allgather")
+            t[compiled].append((time.perf_counter() - t0) / 25)
+        strategies.gather_merge = gm
+        rounds.append((f"reduce_states {name}", 1e6 * statistics.median(t[True]), 1e6 * statistics.median(t[False])))
     if rank == 0:
         print(f"\np = {p}, µs per call: the median block of 25 back-to-back calls, {reps} calls per path (rank 0)\n")
         print("| call | /dev/shm | gloo | gloo / shm |")
         print("|---|---|---|---|")
         for name, a, b in rows:
+            print(f"| {name} | {a:.0f} | {b:.0f} | {b / a:.1f}x |")
+        print("\nthe reduction's round through /dev/shm, µs per call as above\n")
+        print("| call | one compiled call | the Python steps | Python / compiled |")
+        print("|---|---|---|---|")
+        for name, a, b in rounds:
             print(f"| {name} | {a:.0f} | {b:.0f} | {b / a:.1f}x |")
 
 
