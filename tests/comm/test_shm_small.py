@@ -104,56 +104,71 @@ def bitwise_worker() -> None:
             assert isinstance(st, shm_small._Small) and st.round > 40, (group, st)
 
     # the compiled round of the all-gather strategy (gather and merge in one call) against gloo's
-    # all-gather and the same merge: bitwise, with empty (+-inf) and undefined (NaN) states, a
-    # lagging rank (the compiled wait gives up, the Python wait takes over), and one rank of each
-    # group on the Python path (the two paths exchange with each other)
-    from treeattn.comm import collectives, strategies
+    # all-gather and the same merge: bitwise, with empty (+-inf) and undefined (NaN) states, one
+    # or several states per rank (stacked), a lagging rank (the compiled wait gives up: code 2,
+    # the Python wait takes over), a rank still in a broadcast (code 1: nothing sent, the general
+    # path), and one rank of a group on the Python path (the two paths exchange with each other)
+    from treeattn.comm import strategies
     from treeattn.ops.packed import merge_packed
 
-    seen = {"compiled": 0, "waited": 0}
-    gm, rd = shm_small._Small.gather_merge, shm_small._Small._read
+    codes = torch.zeros(3, dtype=torch.int64)
+    compiled = shm_small.shm_gather_merge
+    assert compiled() is not None, "the compiled kernel did not build"
 
-    def counted(self, *a):
-        got = gm(self, *a)
-        seen["compiled"] += got is not None
-        return got
+    def counting():
+        f = compiled()
 
-    def read(self, *a):
-        seen["waited"] += 1
-        return rd(self, *a)
+        def call(*a):
+            got = f(*a)
+            codes[got] += 1
+            return got
 
-    shm_small._Small.gather_merge, shm_small._Small._read = counted, read
+        return call
+
+    shm_small.shm_gather_merge = counting
     try:
-        for i in range(150):
+        for i in range(180):
             group, member = groups[i % 3]
             if not member:
                 continue
             r, gp = dist.get_rank(group), dist.get_world_size(group)
             local = torch.Generator().manual_seed(50_000 + 10 * i + r)
-            H, Dv = 1 + i % 4, (8, 64, 3)[i % 3]
-            out, lse = torch.randn(2, H, 1, Dv, generator=local), torch.randn(2, H, 1, generator=local) * 30
+            H, Dv, k = 1 + i % 4, (8, 64, 3)[i % 3], (1, 1, 2, 3)[i % 4]
+            stacked = i % 4 > 1
+            out, lse = torch.randn(k, 2, H, 1, Dv, generator=local), torch.randn(k, 2, H, 1, generator=local) * 30
             special = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0])
             pick = torch.randint(0, 12, lse.shape, generator=local)
             lse = torch.where(pick < 4, special[pick.clamp(max=3)], lse)
-            if i % 7 == 3 and r == gp - 1:  # a late rank
+            if not stacked:
+                out, lse = out[0], lse[0]
+            if i % 7 == 3 and r == gp - 1:  # a late rank: the others outwait the compiled spin
                 time.sleep(0.02)
+            if i % 11 == 4:  # the root leaves a broadcast at once, a late rank is still before it
+                if r == gp - 1:
+                    time.sleep(0.02)
+                broadcast(torch.zeros(4), group)
             python_path = i % 5 == 1 and r == 0
             if python_path:
-                saved, collectives.gather_merge = strategies.gather_merge, lambda *a: None
-                strategies.gather_merge = collectives.gather_merge
+                saved = strategies.gather_merge
+                strategies.gather_merge = lambda *a: None
             try:
-                a = strategies.reduce_states(out, lse, group=group, strategy="allgather")
+                got = strategies.reduce_states(out, lse, group=group, strategy="allgather", stacked=stacked)
             finally:
                 if python_path:
-                    strategies.gather_merge = collectives.gather_merge = saved
-            ref = merge_packed(_gloo(all_gather, group, torch.cat([out, lse.unsqueeze(-1)], -1), group))
-            what = f"states {i} group size {gp}"
-            assert all(torch.equal(x, y) or (x.isnan() == y.isnan()).all() and torch.equal(x.nan_to_num(), y.nan_to_num())
-                       for x, y in zip(a, ref, strict=True)), what  # fmt: skip
+                    strategies.gather_merge = saved
+            every = _gloo(all_gather, group, torch.cat([out, lse.unsqueeze(-1)], -1), group)
+            ref = merge_packed(every.flatten(0, 1) if stacked else every)
+            what = f"states {i} group size {gp} k {k}"
+            assert all(torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(), y.nan_to_num())
+                       for x, y in zip(got, ref, strict=True)), what  # fmt: skip
     finally:
-        shm_small._Small.gather_merge, shm_small._Small._read = gm, rd
-    assert seen["compiled"] > 60, seen
-    assert seen["waited"] > 0, seen  # some rounds outwaited the compiled spin
+        shm_small.shm_gather_merge = compiled
+    for group, member in groups:  # every path left the group's ranks at the same round
+        if member:
+            n = torch.tensor([shm_small._GROUPS[group_or_world(group)].round])
+            assert (_gloo(all_gather, group, n, group) == n).all(), "round counters differ"
+    codes = _gloo(all_gather, None, codes, None).sum(0)
+    assert (codes > 0).all(), f"return codes 0 / 1 / 2 seen {codes.tolist()} times"
 
     # Tree decoding's reduction (allgather, allreduce2): the same bits either way
     for strategy in ("allgather", "allreduce2"):
@@ -182,6 +197,9 @@ def fault_worker(outdir: str, how: str, op: str) -> None:
     x = torch.ones(64)
     step = all_gather
     if op == "states":  # the compiled round of the all-gather strategy
+        from treeattn.ops._decode_cpu import shm_gather_merge
+
+        assert shm_gather_merge() is not None, "the compiled kernel did not build"
         step = lambda x, group: reduce_states(x.reshape(4, 16), x[:4], group=group, strategy="allgather")  # noqa: E731
     for _ in range(20):
         step(x, None)

@@ -51,24 +51,30 @@ def all_gather(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     return _pg.all_gather(t, group)
 
 
-def gather_merge(out: Tensor, lse: Tensor, group: dist.ProcessGroup | None) -> tuple[Tensor, Tensor] | None:
+def gather_merge(out: Tensor, lse: Tensor, group: dist.ProcessGroup | None,
+                 stacked: bool = False) -> tuple[Tensor, Tensor] | None:  # fmt: skip
     """The all-gather of the packed states ``[out | lse]`` and their merge in rank order
     (:func:`~treeattn.ops.packed.merge_packed` of :func:`all_gather`'s result, bitwise) in one
     compiled call where this group's ranks share memory (``out [..., Dv]``, ``lse [...]``
-    float32 CPU tensors of a group of two or more); None elsewhere: the caller gathers and merges."""
+    float32 CPU tensors of a group of two or more); None elsewhere: the caller gathers and
+    merges. ``stacked``: each rank's ``k`` states on dim 0 (``out [k, ..., Dv]``, ``lse [k,
+    ...]``), all ``p k`` merged, rank by rank: ``(out [..., Dv], lse [...])``."""
     if out.dtype != torch.float32 or lse.dtype != torch.float32 or out.device.type != "cpu" or lse.device.type != "cpu":
         return None
-    if out.ndim == 0 or out.shape[:-1] != lse.shape:  # the general path says what is wrong
+    if out.ndim < 1 + stacked or out.shape[:-1] != lse.shape:  # the general path says what is wrong
         return None
     n = (out.numel() + lse.numel()) * 4
     sm = small_group(group, out, n, "all_gather")
     if sm is None or len(sm.maps) < 2:
         return None
-    got = sm.gather_merge(out.contiguous(), lse.contiguous())
-    if got is not None:
-        p = len(sm.maps)
-        meter.record("all_gather", (p - 1) * n, (p - 1) * n)
-    return got
+    k = out.shape[0] if stacked else 1
+    got = sm.gather_merge(out.contiguous(), lse.contiguous(), k)
+    if got is None:
+        return None
+    p = len(sm.maps)
+    meter.record("all_gather", (p - 1) * n, (p - 1) * n)
+    shape = lse.shape[1:] if stacked else lse.shape
+    return got[0].view(*shape, out.shape[-1]), got[1].view(shape)
 
 
 def broadcast(t: Tensor, group: dist.ProcessGroup | None) -> Tensor:

@@ -166,11 +166,12 @@ class _Small:
                 self._read(j, r, off, dst[j])
         return out
 
-    def gather_merge(self, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor] | None:
-        """The all-gather of this rank's state ``out [..., Dv]``, ``lse [...]`` (float32,
-        contiguous) packed as ``[out | lse]`` rows, and the merge of the ``p`` states in rank order
-        (:func:`~treeattn.ops.packed.merge_packed`'s result, bitwise), in one compiled call
-        (``ops/_merge_shm.c``, this class's protocol byte for byte); None without the compiled
+    def gather_merge(self, out: Tensor, lse: Tensor, k: int = 1) -> tuple[Tensor, Tensor] | None:
+        """The all-gather of this rank's ``k`` states ``out [k, R, Dv]``, ``lse [k, R]`` (float32,
+        contiguous; any shapes of those sizes) packed as ``[out | lse]`` rows, and the merge of the
+        ``p k`` states in order, rank by rank (:func:`~treeattn.ops.packed.merge_packed` of the
+        gathered ``[p k, R, Dv + 1]``, bitwise), in one compiled call (``ops/_merge_shm.c``, this
+        class's protocol byte for byte): ``(out [R, Dv], lse [R])``. None without the compiled
         kernel, or when a peer is still reading this rank's slot (nothing sent: the caller takes
         the general path). A peer that is slow to arrive is waited for here, with the liveness
         checks and the timeout of every round."""
@@ -179,11 +180,12 @@ class _Small:
             return None
         self._op = "all_gather"
         p, Dv = len(self.maps), out.shape[-1]
-        R = lse.numel()
+        R = lse.numel() // k
         r = self.round + 1
         off = _HEAD + (r % 2) * _SLOT
-        buf, o, ls = torch.empty(p, R, Dv + 1), torch.empty(out.shape), torch.empty(lse.shape)
-        got = f(self.segs, p, self.rank, r, off, out.data_ptr(), lse.data_ptr(), R, Dv, SPINS, buf.data_ptr(),
+        f32 = dict(dtype=torch.float32, device="cpu")  # what the C code writes, whatever torch's defaults
+        buf, o, ls = torch.empty(p * k, R, Dv + 1, **f32), torch.empty(R, Dv, **f32), torch.empty(R, **f32)
+        got = f(self.segs, p, self.rank, r, off, out.data_ptr(), lse.data_ptr(), k, R, Dv, SPINS, buf.data_ptr(),
                 o.data_ptr(), ls.data_ptr())  # fmt: skip
         if got == 1:
             return None
@@ -195,7 +197,7 @@ class _Small:
                     self._read(j, r, off, dst[j])
             m = merge_packed_cpu(buf)
             assert m is not None  # the kernel is loaded: f came from it
-            return m[0].view(out.shape), m[1].view(lse.shape)
+            return m
         return o, ls
 
     def broadcast(self, t: Tensor) -> None:

@@ -104,12 +104,17 @@ def reduce_states(
     strategy: str = "auto",
     topology: Topology | None = None,
     profile: Any = None,
+    stacked: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Merge this rank's state with every other rank's state in ``group``.
 
     Args:
         out: ``[..., Dv]`` any float dtype (made float32; float64 stays float64). lse:
             ``out.shape[:-1]``.
+        stacked: ``out [k, ..., Dv]``, ``lse [k, ...]`` are ``k`` states of this rank (over
+            disjoint keys: e.g. a shared prefix and a sequence's own tokens), all merged. With
+            the all-gather strategy every rank's ``k`` go in the one exchange and one merge
+            (rank by rank, each rank's in their order); otherwise they are merged here first.
         strategy: one of :data:`STRATEGIES`. topology: for ``hierarchical``/``auto``;
             default from ``LOCAL_WORLD_SIZE``.
         profile: the cost model of ``auto``: a profile path, a :class:`~treeattn.cost.Cluster`,
@@ -128,12 +133,18 @@ def reduce_states(
     _, p = world(group)
     acc = torch.float64 if out.dtype == torch.float64 else torch.float32
     out, lse = (x if x.dtype == acc else x.to(acc) for x in (out, lse))
+    if p > 1 and topology is None and strategy in ("auto", "hierarchical"):
+        topology = Topology.from_env()
+    if p > 1 and strategy == "auto":
+        one = lse.numel() // out.shape[0] if stacked else lse.numel()  # the sizes of one state
+        strategy = _auto(profile, group, one * out.shape[-1] * 4, one * 4, p, _ranks_per_node(p, topology))
+    if stacked:
+        if p > 1 and strategy == "allgather":
+            with meter.label(strategy):
+                return _allgather(out, lse, group, stacked=True)
+        out, lse = merge_packed(torch.cat([out, lse.unsqueeze(-1)], -1))
     if p == 1:
         return out, torch.where(lse == float("inf"), float("-inf"), lse)  # NaN (undefined) propagates
-    if topology is None and strategy in ("auto", "hierarchical"):
-        topology = Topology.from_env()
-    if strategy == "auto":
-        strategy = _auto(profile, group, out.numel() * 4, lse.numel() * 4, p, _ranks_per_node(p, topology))
     with meter.label(strategy):  # the all-gather merges treat +inf as empty themselves
         if strategy == "allgather":
             return _allgather(out, lse, group)
@@ -171,12 +182,12 @@ def auto_model(profile: Any = None, group: dist.ProcessGroup | None = None) -> t
     return resolve(profile, backend)
 
 
-def _allgather(out: Tensor, lse: Tensor, group) -> tuple[Tensor, Tensor]:
-    got = gather_merge(out, lse, group)  # ranks of one host: one compiled call
+def _allgather(out: Tensor, lse: Tensor, group, stacked: bool = False) -> tuple[Tensor, Tensor]:
+    got = gather_merge(out, lse, group, stacked)  # ranks of one host: one compiled call
     if got is not None:
         return got
     buf = all_gather(torch.cat([out, lse.unsqueeze(-1)], -1), group)
-    return merge_packed(buf)
+    return merge_packed(buf.flatten(0, 1) if stacked else buf)
 
 
 def _hierarchical(out: Tensor, lse: Tensor, group, topology: Topology | None) -> tuple[Tensor, Tensor]:

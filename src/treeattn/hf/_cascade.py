@@ -10,9 +10,9 @@ that read the same prefix attend to it together, whatever their ``keep``. Tree: 
 over this rank's slots of it, each token bounded by its own keep (and window), their queries
 folded into one block, so each rank reads its shard of the prefix once per step whatever the
 number of lines, and a token's bits do not depend on how deep the others read (Ring: the
-prefix is cut at the distinct keeps into segments, one ring pass each). The local prefix
-and row states are merged on each rank and cross the ranks in one reduction (the merge is
-associative: seed paper, §4). A short line's tokens are stored on their owners first and
+prefix is cut at the distinct keeps into segments, one ring pass each). Each rank's prefix
+and row states of a token go into one reduction with every other rank's, and are merged there
+in one pass (the merge is associative: seed paper, §4). A short line's tokens are stored on their owners first and
 attended there as the row's keys (each query bounded by its position); a long chunk's own
 tokens, identical on every rank, are merged after the reduction. Ring: each part's K/V goes
 round the ring, a line's own tokens merged after it.
@@ -151,10 +151,13 @@ class RowsStep:
     def _attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale, window: int | None, softcap) -> Tensor:
         g_starts, s_starts = self.starts(window)
         N, Dv = q.shape[2], v.shape[3]
-        out, lse = empty_state((1, q.shape[1], N, Dv), q.device)
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        out, lse = out.to(acc), lse.to(acc)
         ring = self.attention == "ring"
+        # Tree: each token's state on this rank over its row's own keys ([0]) and over its prefix
+        # ([1]), both merged with every rank's in the step's one reduction; Ring: one state
+        so, sl = empty_state((1 if ring else 2, 1, q.shape[1], N, Dv), q.device)
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        so, sl = so.to(acc), sl.to(acc)
+        out, lse = so[0], sl[0]
         kw = dict(group=self.group, scale=scale, softcap=softcap, return_lse=True, check=False)
         for s, st in zip(self.shapes, s_starts, strict=True):
             qs, sel = _lines(q, s), s.dev["sel"]
@@ -174,7 +177,7 @@ class RowsStep:
                 for t, pos, wide in g.whole if g.local else ():
                     sp, en = (x if x is None or pos is None else x[:, pos] for x in (None if st is None else st[-1], g.end))
                     o, l_ = prefix_state(q[:, :, t], g, layer, sp, scale, softcap, 0, g.local, wide=wide, end=en)
-                    _merge_at(out, lse, t, o, l_)
+                    so[1][:, :, t], sl[1][:, :, t] = o, l_  # a token reads one prefix: its state, not a merge
                 continue
             for j, a, b in g.segments():  # every rank the same segments: the same ring calls
                 t, sj = g.sels[j], None if st is None else st[j]
@@ -184,7 +187,7 @@ class RowsStep:
                 _merge_at(out, lse, t, o.to(acc), l_)
         if ring:
             return out.to(q.dtype)
-        out, lse = reduce_states(out, lse, group=self.group, strategy=self.strategy)
+        out, lse = reduce_states(so, sl, group=self.group, strategy=self.strategy, stacked=True)
         for s in self.shapes:  # a chunk's own tokens: the same on every rank, merged once
             if s.placed is None:
                 o, l_ = new_token_state(_lines(q, s), _lines(k, s), _lines(v, s), None, scale, softcap=softcap,

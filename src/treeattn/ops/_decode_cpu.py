@@ -145,7 +145,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         lib.treeattn_features.restype = ctypes.c_int
         lib.treeattn_merge.argtypes = [vp, i64, i64, i64, vp, vp]
         lib.treeattn_merge.restype = ctypes.c_int
-        lib.treeattn_shm_gather_merge.argtypes = [ctypes.POINTER(vp)] + [i64] * 4 + [vp, vp] + [i64] * 3 + [vp] * 3
+        lib.treeattn_shm_gather_merge.argtypes = [ctypes.POINTER(vp)] + [i64] * 4 + [vp, vp] + [i64] * 4 + [vp] * 3
         lib.treeattn_shm_gather_merge.restype = ctypes.c_int
         lib.treeattn_prefill_available.restype = ctypes.c_int
         lib.treeattn_linear_pack.argtypes = [vp, i64, i64, vp]
@@ -197,8 +197,8 @@ def merge_packed_cpu(buf: Tensor) -> tuple[Tensor, Tensor] | None:
     if lib is None:
         return None
     p, Dv = buf.shape[0], buf.shape[-1] - 1
-    out = torch.empty(buf.shape[1:-1] + (Dv,), dtype=torch.float32)
-    lse = torch.empty(buf.shape[1:-1], dtype=torch.float32)
+    out = torch.empty(buf.shape[1:-1] + (Dv,), dtype=torch.float32, device="cpu")
+    lse = torch.empty(buf.shape[1:-1], dtype=torch.float32, device="cpu")
     lib.treeattn_merge(buf.data_ptr(), p, lse.numel(), Dv, out.data_ptr(), lse.data_ptr())
     return out, lse
 
