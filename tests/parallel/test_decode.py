@@ -171,6 +171,36 @@ def decode_worker(strategies: list[str]) -> None:
     # the loop really covered every strategy x dtype x heads
     assert n == len(strategies) * 9 + (18 if p == 4 and "hierarchical" in strategies else 0)
 
+    # k states per rank (reduce_states(stacked=True), a batched step's prefix and row states):
+    # every strategy gives the merge of all p k states, the all-gather bitwise that of the
+    # gathered states in rank order; empty (+-inf) and undefined (NaN) states included
+    from treeattn.comm.strategies import reduce_states
+    from treeattn.ops.packed import merge_packed
+    from treeattn.ops.state import merge_states_n
+
+    for i, strategy in enumerate(s for s in strategies if s != "ring"):
+        for dtype in (torch.float32, torch.float64):
+            g = torch.Generator().manual_seed(77 * i + rank)
+            k = 1 + i % 3  # the same on every rank
+            out = torch.randn(k, 2, 3, 8, generator=g, dtype=dtype)
+            lse = torch.randn(k, 2, 3, generator=g, dtype=dtype) * 20
+            pick = torch.randint(0, 10, lse.shape, generator=g)
+            special = torch.tensor([float("inf"), float("-inf"), float("nan")], dtype=dtype)
+            lse = torch.where(pick < 3, special[pick.clamp(max=2)], lse)
+            got = reduce_states(out, lse, strategy=strategy, stacked=True)
+            flat = torch.cat([out, lse.unsqueeze(-1)], -1)
+            bufs = [torch.empty_like(flat) for _ in range(p)]
+            dist.all_gather(bufs, flat)
+            every = torch.cat(bufs)  # [p k, 2, 3, 9]
+            want = merge_states_n(every[..., :-1], every[..., -1])
+            what = f"stacked {strategy} {dtype} k={k} p={p}"
+            assert got[0].dtype == dtype and got[0].shape == (2, 3, 8) and got[1].shape == (2, 3), what
+            torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-5, atol=1e-6, msg=what)
+            if strategy == "allgather" or p == 1:
+                ref = merge_packed(every)
+                assert all(torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(), y.nan_to_num())
+                           for x, y in zip(got, ref, strict=True)), what  # fmt: skip
+
 
 @pytest.mark.parametrize(
     "p,ranks_per_node,strategies",
