@@ -123,13 +123,18 @@ def reduce_states(
             (:func:`~treeattn.tree_decode` checks that; this function does not).
 
     Raises:
-        ValueError: unknown strategy; :class:`~treeattn.cost.ProfileError` for a bad profile.
+        ValueError: unknown strategy, or ``stacked`` states of other shapes;
+            :class:`~treeattn.cost.ProfileError` for a bad profile.
 
     Returns:
-        The merged ``(out, lse)``, float32 (float64 for float64 states), identical on every rank.
+        The merged ``(out, lse)`` (without the ``k`` dimension when ``stacked``), float32
+        (float64 for float64 states), identical on every rank.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if stacked and (out.ndim < 2 or out.shape[:-1] != lse.shape or out.shape[0] < 1):
+        raise ValueError(f"stacked states need out [k, ..., Dv] and lse [k, ...], k >= 1, got out "
+                         f"{tuple(out.shape)} and lse {tuple(lse.shape)}")  # fmt: skip
     _, p = world(group)
     acc = torch.float64 if out.dtype == torch.float64 else torch.float32
     out, lse = (x if x.dtype == acc else x.to(acc) for x in (out, lse))
