@@ -12,10 +12,10 @@ folded into one block, so each rank reads its shard of the prefix once per step 
 number of lines, and a token's bits do not depend on how deep the others read (Ring: the
 prefix is cut at the distinct keeps into segments, one ring pass each). Each rank's prefix
 and row states of a token go into one reduction with every other rank's, and are merged there
-in one pass (the merge is associative: seed paper, §4). A short line's tokens are stored on their owners first and
-attended there as the row's keys (each query bounded by its position); a long chunk's own
-tokens, identical on every rank, are merged after the reduction. Ring: each part's K/V goes
-round the ring, a line's own tokens merged after it.
+in one pass (the merge is associative: seed paper, §4). A short line's tokens are stored on
+their owners first and attended there as the row's keys (each query bounded by its
+position); a long chunk's own tokens, identical on every rank, are merged after the
+reduction. Ring: each part's K/V goes round the ring, a line's own tokens merged after it.
 """
 
 from __future__ import annotations
