@@ -33,19 +33,23 @@ def worker(reps: int) -> None:
     if not st:
         raise SystemExit("the shared-memory path is off here (TREEATTN_SHM=0, or not x86-64)")
 
-    def med(fn, n: int = 25) -> tuple[float, float]:
+    def use_shm(on: bool) -> None:
+        shm_small._GROUPS[g] = st if on else False
+
+    def med(fn, use=use_shm, n: int = 25) -> tuple[float, float]:
         """µs per call: blocks of ``n`` back-to-back calls (as a decode step issues them),
-        alternating the two paths block by block; the median block."""
+        alternating the two paths (``use(True)``, ``use(False)``) block by block; the median
+        block of each."""
         t = {True: [], False: []}
         for i in range(2 * max(reps // n, 1)):
-            shm = i % 2 == 0
-            shm_small._GROUPS[g] = st if shm else False
+            first = i % 2 == 0
+            use(first)
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(n):
                 fn()
-            t[shm].append((time.perf_counter() - t0) / n)
-        shm_small._GROUPS[g] = st
+            t[first].append((time.perf_counter() - t0) / n)
+        use(True)
         return 1e6 * statistics.median(t[True]), 1e6 * statistics.median(t[False])
 
     rows = []
@@ -63,19 +67,14 @@ def worker(reps: int) -> None:
     from treeattn.comm import strategies
 
     gm, rounds = strategies.gather_merge, []
+
+    def use_compiled(on: bool) -> None:
+        strategies.gather_merge = gm if on else (lambda *a: None)
+
     for name, (H, D) in {"SmolLM2-135M (9 x 64)": (9, 64), "Llama-8B (32 x 128)": (32, 128)}.items():
         out, lse = torch.randn(1, H, 1, D), torch.randn(1, H, 1)
-        t = {True: [], False: []}
-        for i in range(2 * max(reps // 25, 1)):
-            compiled = i % 2 == 0
-            strategies.gather_merge = gm if compiled else (lambda *a: None)
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(25):
-                reduce_states(out, lse, strategy="allgather")
-            t[compiled].append((time.perf_counter() - t0) / 25)
-        strategies.gather_merge = gm
-        rounds.append((f"reduce_states {name}", 1e6 * statistics.median(t[True]), 1e6 * statistics.median(t[False])))
+        fn = lambda o=out, s=lse: reduce_states(o, s, strategy="allgather")  # noqa: E731
+        rounds.append((f"reduce_states {name}", *med(fn, use_compiled)))
     if rank == 0:
         print(f"\np = {p}, µs per call: the median block of 25 back-to-back calls, {reps} calls per path (rank 0)\n")
         print("| call | /dev/shm | gloo | gloo / shm |")
