@@ -41,6 +41,10 @@ __all__ = ["decode_cpu", "decode_torch", "kernel_available", "kernel_features", 
 
 _SRCS = tuple(Path(__file__).with_name(f) for f in ("_decode_cpu.c", "_prefill_cpu.c", "_merge_cpu.c",
                                                     "_merge_shm.c", "_linear_cpu.c"))  # one .so
+# the headers _decode_cpu.c includes (one translation unit): not compiled on their own, but
+# hashed with the sources, so that a header's edit builds a new .so
+_HDRS = tuple(Path(__file__).with_name(f"_decode_cpu_{n}.h") for n in ("avx2", "scalar", "generic", "bf16tiles",
+                                                                        "avx512", "fast"))
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _QDTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # -fopenmp: the prefill kernel's threads come from torch's OpenMP pool (libgomp.so.1, already
@@ -100,7 +104,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
         ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"{cc} --version failed: {e}"
-    src = b"\0".join(p.read_bytes() for p in _SRCS)
+    src = b"\0".join(p.read_bytes() for p in _SRCS + _HDRS)
     cache = _cache_dir()
     errors = []
     for flags in _FLAG_SETS:
