@@ -102,6 +102,26 @@ def test_lookup_takes_the_match_that_agrees_furthest_back():
     assert PromptLookup().propose(torch.tensor([1, 2, 3]), 2, 1).tokens == []
 
 
+def test_lookup_follows_a_quote_past_an_edit():
+    """A quote that changed a word (inserted, dropped or replaced up to 2 tokens) and went on
+    quoting is followed once the match agrees, across the edit, 10 tokens back: ``match`` that
+    length and ``resumed`` set; fewer, or an edit of 3 tokens, is a short match as before."""
+    doc = list(range(100, 140))  # the document: 40 distinct tokens, then the answer quotes it
+    q = doc[5:16]  # 105 .. 115: 8 tokens, the edit, then 3
+    for edited, match in (
+        (q[:8] + [7] + q[8:], 11),  # a word inserted (... 112 7 113 114 115)
+        (q[:8] + [7, 8] + q[8:], 11),  # two tokens inserted
+        (q[:8] + q[9:], 10),  # a word dropped (... 112 114 115)
+        (q[:8] + [7] + q[9:], 10),  # a word replaced
+        (q[:8] + [7, 8, 9] + q[8:], None),  # a 3-token insertion: another text, a 3-token match
+        (q[1:8] + [7] + q[8:], 10),  # 7 + 3 agree
+        (q[2:8] + [7] + q[8:], None),  # 6 + 3 = 9 < 10
+    ):
+        d = PromptLookup().propose(torch.tensor([1, 2] + doc + [3] + edited), 3, 1)
+        assert d.tokens == [116, 117, 118], edited  # the document after the quote, either way
+        assert (d.resumed, d.match) == ((True, match) if match else (False, 3)), edited
+
+
 def _scan(history: list[int], k: int, width: int, max_ngram: int = 3, max_context: int = 16):
     """The lookup as a scan of the whole history (PromptLookup before its index): the oracle."""
     h = torch.tensor(history, dtype=torch.int64)
@@ -116,6 +136,20 @@ def _scan(history: list[int], k: int, width: int, max_ngram: int = 3, max_contex
                     break
                 c += 1
             ctx.append(c)
+        if hits and n >= 2 and max(ctx) < 6 and len(hits) <= 64:  # a quote that resumed past one edit of <= 2 tokens
+            past = []
+            for c, i in zip(ctx, hits, strict=True):
+                a, b, e = L - c - 1, i + n - c - 1, 0
+                for da in range(3):
+                    for db in range(3):
+                        t = 0
+                        while (da or db) and c + t < max_context and 0 <= b - db - t < a - da - t \
+                                and history[b - db - t] == history[a - da - t]:
+                            t += 1
+                        e = max(e, t)
+                past.append(c + e)
+            if max(past) >= 10:
+                ctx = past
         conts, match = [], None
         for m, i in sorted(zip(ctx, hits, strict=True), key=lambda x: -x[0]):
             c = history[i + n : i + n + k]
@@ -127,6 +161,33 @@ def _scan(history: list[int], k: int, width: int, max_ngram: int = 3, max_contex
         if conts:
             return conts, match
     return [], None
+
+
+def test_lookup_of_edited_quotes_is_the_scan():
+    """Answers that quote a document with edits (1-3 tokens inserted, dropped or replaced) and
+    then other text: the index gives the scan's drafts and matches, resumed quotes included."""
+    g, resumed = torch.Generator().manual_seed(1), 0
+
+    def rnd(lo, hi):
+        return int(torch.randint(lo, hi, (1,), generator=g))
+
+    for trial in range(200):
+        vocab = 6 + trial % 40
+        doc = torch.randint(0, vocab, (rnd(20, 80),), generator=g).tolist()
+        a = rnd(0, len(doc) - 12)
+        quote = doc[a : a + rnd(8, 24)]
+        for _ in range(rnd(1, 3)):  # edits
+            at, cut, put = rnd(0, len(quote)), rnd(0, 3), rnd(0, 3)
+            quote = quote[:at] + torch.randint(0, vocab, (put,), generator=g).tolist() + quote[at + cut :]
+        hist = doc + torch.randint(0, vocab, (rnd(0, 4),), generator=g).tolist() + quote
+        lk = PromptLookup(max_context=8 + trial % 12)
+        for end in range(len(hist) - len(quote) + 2, len(hist) + 1):
+            d = lk.propose(hist[:end], 4, 1)
+            conts, match = _scan(hist[:end], 4, 1, lk.max_ngram, lk.max_context)
+            assert d.tokens == (conts[0] if conts else []), (trial, end)
+            assert (d.match if d.tokens else None) == match, (trial, end)
+            resumed += d.resumed
+    assert resumed > 20  # resumed quotes were exercised
 
 
 def test_lookup_index_is_the_scan():

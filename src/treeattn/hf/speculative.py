@@ -26,6 +26,12 @@ from ._model import cache_kw
 from .sampler import Sampler
 
 SPECULATE = ("prompt-lookup", "draft")
+# prompt lookup: a short match whose agreement goes on this far past one edit is a quote that resumed
+# (replayed over real answers, benchmarks/draft_replay.py: at 6-8 tokens half of such drafts were
+# rejected at once, paraphrases of a common phrase; from 10 on, quotes)
+RESUMED = 10
+_EDIT = 2  # prompt lookup: the most tokens one edit of a quote inserts, drops or changes
+_RESUME_HITS = 64  # earlier places of the last n-gram past which no edit is looked across (a common n-gram)
 _MSG = 240  # bytes of a drafting error carried to the other ranks
 
 
@@ -41,6 +47,7 @@ class Draft:
     q: Tensor | None = None
     trials: dict[int, list[int]] | None = None
     match: int = 0  # prompt lookup: how far back the followed match agrees (its n-gram and more)
+    resumed: bool = False  # prompt lookup: ``match`` counts across one edit (a quote that resumed)
 
 
 class PromptLookup:
@@ -49,8 +56,13 @@ class PromptLookup:
     whose context agrees furthest back (up to ``max_context`` tokens; the earliest among equals),
     whose continuation is the likeliest, and the draft's ``match`` is that context's length, the
     evidence :class:`~treeattn.hf._draft_policy.DraftPolicy` weighs (an answer that quotes the
-    document matches 6 and more tokens back, a coincidental phrase 3). With ``width > 1`` the
-    continuations of up to ``width`` distinct matches, in that order, merged into a trie.
+    document matches 6 and more tokens back, a coincidental phrase 3). Where no match agrees 6
+    tokens back, a match of 2 or 3 tokens whose agreement goes on past one edit (up to
+    :data:`_EDIT` tokens the answer inserted, dropped or changed) to :data:`RESUMED` tokens in
+    all is followed instead, ``match`` that length and ``resumed`` set: a quote that changed a
+    word and goes on quoting (one that resumes fewer tokens back is too often a paraphrase: a
+    common phrase, then the paraphrase's own words). With ``width > 1`` the continuations of up
+    to ``width`` distinct matches, in that order, merged into a trie.
 
     The n-grams of the history are indexed once and extended as it grows (a history that does
     not begin with the last one is indexed afresh): a lookup over a long document costs a few
@@ -82,6 +94,11 @@ class PromptLookup:
             if not hits:
                 continue
             ctx = [self._context(h, i, n) for i in hits]
+            resumed = False
+            if n >= 2 and max(ctx) < 6 and len(hits) <= _RESUME_HITS:  # a quote past an edit?
+                past = [c + self._past_edit(h, i + n - c - 1, L - c - 1, c) for c, i in zip(ctx, hits, strict=True)]
+                if max(past) >= RESUMED:
+                    ctx, resumed = past, True
             order = sorted(zip(ctx, hits, strict=True), key=lambda x: -x[0])  # stable: the earliest among equals
             conts: list[list[int]] = []
             for m, i in order:
@@ -94,7 +111,7 @@ class PromptLookup:
                     break
             if conts:
                 d = _trie(conts)
-                d.match = match
+                d.match, d.resumed = match, resumed
                 return d
         return Draft()
 
@@ -110,9 +127,22 @@ class PromptLookup:
         return c
 
 
+    def _past_edit(self, h: list[int], b: int, a: int, c: int) -> int:
+        """How many tokens agree before the first disagreement (source token ``b``, history token
+        ``a``) once one edit is skipped there (up to :data:`_EDIT` tokens inserted, dropped or
+        changed: the best), up to ``max_context`` in all with the ``c`` after it."""
+        best = 0
+        for da, db in ((x, y) for x in range(_EDIT + 1) for y in range(_EDIT + 1) if x or y):
+            e, x, y = 0, a - da, b - db
+            while c + e < self.max_context and 0 <= y < x and h[y] == h[x]:
+                e, x, y = e + 1, x - 1, y - 1
+            best = max(best, e)
+        return best
+
+
 def _cut(d: Draft, depth: int) -> Draft:
     """The nodes of a deterministic draft down to ``depth``."""
-    keep, index, out = [], {-1: -1}, Draft(match=d.match)
+    keep, index, out = [], {-1: -1}, Draft(match=d.match, resumed=d.resumed)
     for i, (t, a) in enumerate(zip(d.tokens, d.parents, strict=True)):
         lvl = 1 if a < 0 else keep[a] + 1
         keep.append(lvl)
