@@ -143,8 +143,12 @@ def _scan(history: list[int], k: int, width: int, max_ngram: int = 3, max_contex
                 for da in range(3):
                     for db in range(3):
                         t = 0
-                        while (da or db) and c + t < max_context and 0 <= b - db - t < a - da - t \
-                                and history[b - db - t] == history[a - da - t]:
+                        while (
+                            (da or db)
+                            and c + t < max_context
+                            and 0 <= b - db - t < a - da - t
+                            and history[b - db - t] == history[a - da - t]
+                        ):
                             t += 1
                         e = max(e, t)
                 past.append(c + e)

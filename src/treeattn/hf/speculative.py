@@ -126,7 +126,6 @@ class PromptLookup:
             c += 1
         return c
 
-
     def _past_edit(self, h: list[int], b: int, a: int, c: int) -> int:
         """How many tokens agree before the first disagreement (source token ``b``, history token
         ``a``) once one edit is skipped there (up to :data:`_EDIT` tokens inserted, dropped or
