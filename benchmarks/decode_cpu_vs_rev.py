@@ -1,6 +1,6 @@
 """decode_cpu of this tree against the same kernel at another git revision, in one process.
 
-The revision's ``ops/_decode_cpu.py`` and C sources are taken with ``git show`` into a
+The revision's ``ops/_decode_cpu.py`` and C sources and headers are taken with ``git show`` into a
 temporary directory and imported beside today's (each builds its own shared object in
 ``$TREEATTN_CACHE_DIR``); every case alternates the two calls, so the machine's drift falls on
 both. Medians of the per-call times; the last column checks that both give the same bits
@@ -25,7 +25,6 @@ import torch
 import treeattn.ops._decode_cpu as today
 
 ROOT = Path(__file__).resolve().parents[1]
-FILES = ("_decode_cpu.py", "_decode_cpu.c", "_prefill_cpu.c", "_merge_cpu.c", "_linear_cpu.c")
 # name, B, Hkv, rows per KV head (G x Tq), S, D, dtype, repetitions
 CASES = [
     ("bf16 32/8 x 128, 1 token, S = 512k", 1, 8, 4, 512 * 1024, 128, torch.bfloat16, 11),
@@ -45,7 +44,9 @@ CASES = [
 
 def load_rev(rev: str, where: Path):
     """The module ``ops._decode_cpu`` as it was at ``rev`` (its C sources beside it)."""
-    for f in FILES:
+    ls = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", rev, "src/treeattn/ops/"], check=True,
+                        capture_output=True, text=True).stdout.split()  # fmt: skip
+    for f in ["_decode_cpu.py"] + [Path(x).name for x in ls if x.endswith((".c", ".h"))]:
         text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:src/treeattn/ops/{f}"], check=True,
                               capture_output=True, text=True).stdout  # fmt: skip
         (where / f).write_text(text)
