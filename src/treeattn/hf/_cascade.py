@@ -29,6 +29,7 @@ from torch import Tensor
 
 from ..cache import RowCache, ShardedKVCache
 from ..comm.strategies import reduce_states
+from ..ops._bounds import DecodeCall, prepare_decode
 from ..ops._prefill_cpu import prefill_states
 from ..ops.attention import _attention
 from ..ops.state import empty_state, merge_into
@@ -105,6 +106,7 @@ class RowsStep:
     cut: list[int] | None = None  # the tokens split over the ranks (hf._split): rank r ran [cut[r], cut[r + 1])
     wide: Tensor | None = None  # [N] bool (host): the tokens whose prefix pass may take the prefill kernel
     _win: dict = field(default_factory=dict)
+    _memo: dict = field(default_factory=dict)  # per call site: what every layer of the step shares
 
     def __post_init__(self) -> None:
         dev = self.rows.device
@@ -154,12 +156,17 @@ class RowsStep:
         ring = self.attention == "ring"
         # Tree: each token's state on this rank over its row's own keys ([0]) and over its prefix
         # ([1]), both merged with every rank's in the step's one reduction; Ring: one state
-        so, sl = empty_state((1 if ring else 2, 1, q.shape[1], N, Dv), q.device)
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        so, sl = so.to(acc), sl.to(acc)
+        if ring:
+            so, sl = (x.to(acc) for x in empty_state((1, 1, q.shape[1], N, Dv), q.device))
+        else:  # one buffer for the step's layers: each writes the same places (the rest stays empty)
+            key = ("states", q.shape[1], Dv, acc)
+            if key not in self._memo:
+                self._memo[key] = tuple(x.to(acc) for x in empty_state((2, 1, q.shape[1], N, Dv), q.device))
+            so, sl = self._memo[key]
         out, lse = so[0], sl[0]
         kw = dict(group=self.group, scale=scale, softcap=softcap, return_lse=True, check=False)
-        for s, st in zip(self.shapes, s_starts, strict=True):
+        for i, (s, st) in enumerate(zip(self.shapes, s_starts, strict=True)):
             qs, sel = _lines(q, s), s.dev["sel"]
             if s.placed is not None:  # the lines' tokens: stored on their owners first, then attended there
                 rid, slots, flat = s.placed
@@ -170,13 +177,18 @@ class RowsStep:
                 o, l_ = ring_decode(qs, ks, vs, kv_lens=s.dev["lens"], kv_start=st, window=window, **new, **kw)
                 o = o.to(acc)
             else:
-                o, l_ = row_state(qs, ks, vs, s.dev["lens"], st, scale, softcap, s.dev.get("end"))
+                memo = self._memo.setdefault(("row", i, window, softcap, qs.shape, ks.shape, qs.dtype, ks.dtype), {})
+                o, l_ = row_state(qs, ks, vs, s.dev["lens"], st, scale, softcap, s.dev.get("end"), memo)
             out[0, :, sel], lse[0, :, sel] = _flat(o), _flat(l_)
-        for g, st in zip(self.groups, g_starts, strict=True):
+        for gi, (g, st) in enumerate(zip(self.groups, g_starts, strict=True)):
             if not ring:  # one pass over this rank's slots of the prefix, each token to its own keep
-                for t, pos, wide in g.whole if g.local else ():
-                    sp, en = (x if x is None or pos is None else x[:, pos] for x in (None if st is None else st[-1], g.end))
-                    o, l_ = prefix_state(q[:, :, t], g, layer, sp, scale, softcap, 0, g.local, wide=wide, end=en)
+                for j, (t, pos, wide) in enumerate(g.whole if g.local else ()):
+                    sp, en = (
+                        x if x is None or pos is None else x[:, pos] for x in (None if st is None else st[-1], g.end)
+                    )
+                    memo = self._memo.setdefault(("prefix", gi, j, window, softcap, q.shape, q.dtype), {})
+                    o, l_ = prefix_state(q[:, :, t], g, layer, sp, scale, softcap, 0, g.local, wide=wide, end=en,
+                                         memo=memo)  # fmt: skip
                     so[1][:, :, t], sl[1][:, :, t] = o, l_  # a token reads one prefix: its state, not a merge
                 continue
             for j, a, b in g.segments():  # every rank the same segments: the same ring calls
@@ -197,21 +209,24 @@ class RowsStep:
 
 
 def row_state(q: Tensor, k: Tensor, v: Tensor, lens: Tensor, start, scale, softcap,
-              end: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+              end: Tensor | None = None, memo: dict | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
     """This rank's state of lines ``q [n, Hq, T, D]`` over their rows' own tokens on this rank
-    (``end [n, T]``: query j's slots end there)."""
+    (``end [n, T]``: query j's slots end there). ``memo``: see :func:`_prepared`."""
+    call = _prepared(memo, q, k, v, kv_lens=lens, kv_start=start, kv_end=end, softcap=softcap)
+    if call is not None:
+        return call(q, k, v, scale, softcap, keep_fp32=True)
     return _attention(q, k, v, scale=scale, kv_lens=lens, kv_start=start, kv_end=end, softcap=softcap,
                       keep_fp32=True)  # fmt: skip
 
 
 def prefix_state(q: Tensor, g: PrefixGroup, layer: int, start, scale, softcap, a: int, b: int,
-                 wide: bool = False, end: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+                 wide: bool = False, end: Tensor | None = None, memo: dict | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
     """This rank's state of tokens ``q [1, Hq, m, D]`` of group ``g`` over its prefix slots
     ``[a, b)`` (``start``, ``end [1, m]``: each token's first slot and the slot it stops
     before, relative to ``a``; None: 0 and ``b - a``): one pass over them for all the tokens.
     ``wide`` (the tokens of prompt chunks): through the prefill kernel where it applies
     (:mod:`treeattn.ops._prefill_cpu`, float32, AVX-512), else the decode path; a token's
-    result depends on its own query, bounds and keys alone either way."""
+    result depends on its own query, bounds and keys alone either way. ``memo``: see :func:`_prepared`."""
     kp, vp = _prefix(g, layer, a, b)
     if wide and q.device.type == "cpu":
         st, en = (None if x is None else x.reshape(-1) for x in (start, end))
@@ -227,8 +242,23 @@ def prefix_state(q: Tensor, g: PrefixGroup, layer: int, start, scale, softcap, a
     # the decode path is decode_cpu however many tokens share the call (auto would hand many rows
     # with windows to flash_cpu: other rounding); a row's result there depends on its own bounds only
     be = "decode_cpu" if q.device.type == "cpu" else "auto"
+    call = _prepared(memo, q, kp, vp, kv_start=start, kv_end=end, softcap=softcap, backend=be)
+    if call is not None:
+        return call(q, kp, vp, scale, softcap, keep_fp32=True)
     return _attention(q, kp, vp, scale=scale, kv_start=start, kv_end=end, softcap=softcap, keep_fp32=True,
                       backend=be)  # fmt: skip
+
+
+def _prepared(memo: dict | None, q: Tensor, k: Tensor, v: Tensor, **kw) -> DecodeCall | None:
+    """The decode_cpu call ``_attention`` makes for these arguments, its rows' bounds worked out
+    at a step's first layer and kept in ``memo`` (one call site's) for the others, whose shapes and
+    bounds are the same: the same kernel arguments, the same bits, without ~20 µs of checks and
+    bounds a call. None where ``_attention`` runs another kernel (or on other devices)."""
+    if memo is None:
+        return None
+    if "call" not in memo:
+        memo["call"] = prepare_decode(q, k, v, **kw) if q.device.type == "cpu" else None
+    return memo["call"]
 
 
 def _parts(tokens: Tensor, wide: Tensor, sel, dev) -> list[tuple]:

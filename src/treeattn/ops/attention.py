@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from ._blocks import _chunked
-from .kernels import Call, pick, resolve
+from ._bounds import _backend, _decode_call, _row_bounds, _trim
 from .state import empty_state
 
 __all__ = ["attention_with_lse", "check_attention_inputs", "BACKENDS"]
@@ -67,7 +67,9 @@ def check_attention_inputs(
         raise ValueError(f"Hq must be a multiple of Hkv: Hq={Hq}, Hkv={Hkv}")
     if k.shape[3] != D:
         raise ValueError(f"head dim: q has D={D}, k has D={k.shape[3]}")
-    if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale)):
+    if scale is not None and not (
+        isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale)
+    ):
         raise ValueError(f"scale must be a finite float or None, got {scale!r}")
     if kv_lens is not None:
         if not isinstance(kv_lens, Tensor):
@@ -206,14 +208,9 @@ def _attention(
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
     scale = D**-0.5 if scale is None else float(scale)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if backend == "auto":
-        plain = kv_lens is None and kv_start is None and kv_end is None and mask is None and softcap is None
-        backend = pick(q, k, v, plain=plain, causal_rows=causal and Tq > 1)
-        if backend in ("decode_cpu", "fused_cuda", "triton") and mask is not None:
-            backend = "flash_cpu" if backend == "decode_cpu" and Dv == D else "torch"
-    # the registry (ops.kernels) knows what each kernel takes, hands over (flash_cpu: softcap;
-    # fused_cuda: per-row bounds) or refuses
-    backend = resolve(backend, Call.of(q, v, mask=mask, softcap=softcap, kv_start=kv_start, kv_end=kv_end))
+    backend = _backend(q, k, v, backend, mask, kv_lens, causal, kv_start, kv_end, softcap)
+    if backend == "decode_cpu" and mask is None:  # it reads only each row's [lo, hi): nothing to trim or zero
+        return _decode_call(q, k, kv_lens, causal, kv_start, kv_end)(q, k, v, scale, softcap, keep_fp32)
     G = Hq // Hkv
     if (
         kv_lens is not None
@@ -232,13 +229,7 @@ def _attention(
     if backend == "triton":  # straight to the kernel: it reads each row's bounds itself (no trim, no sync)
         rows_differ = (causal and Tq > 1) or kv_end is not None or (kv_start is not None and kv_start.ndim == 2)
         return _triton(q, k, v, scale, lo, hi, softcap, rows_differ, keep_fp32)
-    if backend == "decode_cpu" and mask is None:  # it reads only each row's [lo, hi): nothing to trim or zero
-        span = seq = None
-        if lo is not None or hi is not None:
-            reads = (S if hi is None else hi.clamp(max=S)) > (0 if lo is None else lo)
-            span = None if bool(reads.any()) else (0, 0)  # no row reads a key: the empty state, no kernel call
-    else:
-        lo, hi, span, seq = _trim(lo, hi, S, B)
+    lo, hi, span, seq = _trim(lo, hi, S, B)
     if span is not None:
         k, v = k[:, :, span[0] : span[1]], v[:, :, span[0] : span[1]]
         S = k.shape[2]
@@ -251,16 +242,7 @@ def _attention(
     vis = None
     if mask is not None:  # rows r = g * Tq + i take mask row i
         vis = mask.to(q.device).index_select(1, torch.arange(qg.shape[2], device=q.device) % Tq).unsqueeze(1)
-    if backend == "decode_cpu":
-        from ._decode_cpu import decode_cpu
-
-        R = qg.shape[2]  # keys outside a row's [lo, hi) are never read: no zeroing needed
-        lo_r = None if lo is None else lo.reshape(B, R)
-        hi_r = None if hi is None else hi.reshape(B, R)
-        out, lse = decode_cpu(qg, k, v, scale, lo_r, hi_r, softcap)
-        if acc == torch.float64:
-            out, lse = out.double(), lse.double()
-    elif backend == "fused_cuda":
+    if backend == "fused_cuda":
         from ._fused_cuda import fused_cuda
 
         if seq is not None and kv_lens is not None:  # masked keys weigh 0 there: 0 x NaN of unused slots would leak
@@ -302,74 +284,6 @@ def _triton(q, k, v, scale, lo, hi, softcap, row_bounds: bool, keep_fp32: bool) 
     hi = None if hi is None else hi.reshape(B, R)
     out, lse = triton_attention(qg, k, v, scale, lo, hi, softcap, row_bounds, keep_fp32)
     return out.reshape(B, Hq, Tq, Dv), lse.reshape(B, Hq, Tq)
-
-
-def _per_row(t: Tensor, B: int, Tq: int, R: int, device: torch.device) -> Tensor:
-    t = t.to(device=device, dtype=torch.int64)
-    if t.ndim == 1:
-        return t.view(B, 1, 1, 1).expand(B, 1, R, 1)
-    return t.repeat(1, R // Tq).view(B, 1, R, 1)  # row r = g * Tq + i takes query i
-
-
-def _row_bounds(
-    B: int,
-    Tq: int,
-    G: int,
-    S: int,
-    kv_lens: Tensor | None,
-    causal: bool,
-    kv_start: Tensor | None,
-    kv_end: Tensor | None,
-    device: torch.device,
-) -> tuple[Tensor | None, Tensor | None]:
-    """Per (batch, row) visible key range ``[lo, hi)``, each ``[B, 1, G*Tq, 1]`` int64 or
-    None (no bound). Row ``r = g * Tq + i`` is query ``i`` of group member ``g``."""
-    R = G * Tq
-    hi = None
-    if kv_lens is not None or (causal and Tq > 1) or kv_end is not None:
-        L = torch.full((B,), S, device=device) if kv_lens is None else kv_lens.to(device=device, dtype=torch.int64)
-        hi = L.view(B, 1, 1, 1).expand(B, 1, R, 1)
-        if causal:
-            i = torch.arange(R, device=device) % Tq
-            hi = hi - (Tq - 1) + i.view(1, 1, R, 1)
-        if kv_end is not None:
-            hi = torch.minimum(hi, _per_row(kv_end, B, Tq, R, device))
-    lo = None if kv_start is None else _per_row(kv_start, B, Tq, R, device)
-    return lo, hi
-
-
-def _trim(lo: Tensor | None, hi: Tensor | None, S: int, B: int):
-    """Keys no row reads. Returns ``(lo, hi, span, seq)``: the bounds relative to the kept
-    key slice ``span = (a, b)`` (None: keep all ``S``; bounds that hide nothing dropped), and
-    ``seq = (seq_lo, seq_hi)`` ``[B]`` when some sequence reads only part of the slice (its
-    other values must be zeroed: 0 x NaN of unused cache slots would leak into the sums)."""
-    if lo is None and hi is None:
-        return None, None, None, None
-    ref = lo if lo is not None else hi
-    if ref.numel() == 0:  # no rows (B or Tq 0): nothing is read
-        return None, None, (0, 0), None
-    if ref.device.type != "cpu":  # no host sync off the CPU: mask only
-        seq_lo = lo.amin((1, 2, 3)).clamp(0, S) if lo is not None else torch.zeros(B, dtype=torch.int64)
-        seq_hi = hi.amax((1, 2, 3)).clamp(0, S) if hi is not None else torch.full((B,), S, dtype=torch.int64)
-        return lo, hi, None, (seq_lo.to(ref.device), seq_hi.to(ref.device))
-    seq_lo = lo.amin((1, 2, 3)).clamp(0, S) if lo is not None else torch.zeros(B, dtype=torch.int64)
-    seq_hi = hi.amax((1, 2, 3)).clamp(0, S) if hi is not None else torch.full((B,), S, dtype=torch.int64)
-    live = seq_lo < seq_hi
-    if not bool(live.any()):
-        return None, None, (0, 0), None
-    a, b = int(seq_lo[live].min()), int(seq_hi[live].max())
-    if a:
-        lo = lo - a if lo is not None else None
-        hi = hi - a if hi is not None else None
-        seq_lo, seq_hi = seq_lo - a, seq_hi - a
-    n = b - a
-    seq_lo, seq_hi = seq_lo.clamp(0, n), seq_hi.clamp(0, n)
-    if lo is not None and not bool((lo > 0).any()):
-        lo = None
-    if hi is not None and not bool((hi < n).any()):
-        hi = None
-    ragged = bool((seq_lo[live] > 0).any() or (seq_hi[live] < n).any() or (~live).any())
-    return lo, hi, ((a, b) if (a, b) != (0, S) else None), ((seq_lo, seq_hi) if ragged else None)
 
 
 def _flash_cpu(
