@@ -122,8 +122,9 @@ def test_lookup_follows_a_quote_past_an_edit():
         assert (d.resumed, d.match) == ((True, match) if match else (False, 3)), edited
 
 
-def _scan(history: list[int], k: int, width: int, max_ngram: int = 3, max_context: int = 16):
-    """The lookup as a scan of the whole history (PromptLookup before its index): the oracle."""
+def _scan(history: list[int], k: int, width: int, max_ngram: int = 3, max_context: int = 16, resume: bool = True):
+    """The lookup as a scan of the whole history (PromptLookup before its index): the oracle.
+    ``resume=False``: as it was before it looked past an edit."""
     h = torch.tensor(history, dtype=torch.int64)
     L = len(h)
     for n in range(min(max_ngram, L - 1), 0, -1):
@@ -136,7 +137,9 @@ def _scan(history: list[int], k: int, width: int, max_ngram: int = 3, max_contex
                     break
                 c += 1
             ctx.append(c)
-        if hits and n >= 2 and max(ctx) < 6 and len(hits) <= 64:  # a quote that resumed past one edit of <= 2 tokens
+        if (
+            resume and hits and n >= 2 and max(ctx) < 6 and len(hits) <= 64
+        ):  # a quote that resumed past one edit of <= 2 tokens
             past = []
             for c, i in zip(ctx, hits, strict=True):
                 a, b, e = L - c - 1, i + n - c - 1, 0
@@ -191,6 +194,9 @@ def test_lookup_of_edited_quotes_is_the_scan():
             assert d.tokens == (conts[0] if conts else []), (trial, end)
             assert (d.match if d.tokens else None) == match, (trial, end)
             resumed += d.resumed
+            if not d.resumed:  # no edit looked past: the draft it gave before it looked
+                conts, match = _scan(hist[:end], 4, 1, lk.max_ngram, lk.max_context, resume=False)
+                assert d.tokens == (conts[0] if conts else []) and (d.match if d.tokens else None) == match
     assert resumed > 20  # resumed quotes were exercised
 
 

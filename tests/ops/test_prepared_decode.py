@@ -9,6 +9,8 @@ import torch
 from treeattn.ops._bounds import prepare_decode
 from treeattn.ops.attention import _attention
 
+DTYPES = [torch.float32, torch.float64, torch.bfloat16]
+
 
 def _qkv(B, Hq, Hkv, Tq, S, D, dtype, seed):
     g = torch.Generator().manual_seed(seed)
@@ -20,7 +22,7 @@ def test_prepared_decode_call_is_attentions():
     bounds = ("none", "lens", "uniform", "zero", "start", "end", "causal", "start+end")
     ran = 0
     for (B, Hq, Hkv, Tq, S), how, dtype, cap in itertools.product(
-        [(1, 9, 3, 1, 300), (3, 9, 3, 2, 70), (2, 4, 4, 3, 40)], bounds, [torch.float32, torch.float64], [None, 20.0]
+        [(1, 9, 3, 1, 300), (3, 9, 3, 2, 70), (2, 4, 4, 3, 40)], bounds, DTYPES, [None, 20.0]
     ):
         kw = {}
         if how in ("lens", "uniform", "zero"):
@@ -39,19 +41,19 @@ def test_prepared_decode_call_is_attentions():
         for layer in range(2):  # other tensors of the same shapes: the step's later layers
             q, k, v = _qkv(B, Hq, Hkv, Tq, S, 64, dtype, 2 + layer)
             want = _attention(q, k, v, scale=0.125, softcap=cap, keep_fp32=True, backend="decode_cpu", **kw)
-            got = call(q, k, v, 0.125, cap, keep_fp32=True)
+            got = call(q, k, v, 0.125, keep_fp32=True)
             for x, y in zip(got, want, strict=True):
                 assert x.dtype == y.dtype and torch.equal(x, y), (B, Hq, Tq, how, dtype, cap)
             ref = _attention(q, k, v, scale=0.125, softcap=cap, keep_fp32=True, backend="torch", **kw)  # another kernel
-            tol = 1e-10 if dtype == torch.float64 else 2e-5
+            tol = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2}[dtype]
             for x, y in zip(got, ref, strict=True):
                 assert torch.equal(torch.isneginf(x), torch.isneginf(y))  # rows that see no key
                 torch.testing.assert_close(x.nan_to_num(0, 0, 0), y.nan_to_num(0, 0, 0), atol=tol, rtol=tol)
-            got = call(q, k, v, None, cap)  # the default scale, q's dtype out
+            got = call(q, k, v, None)  # the default scale, q's dtype out
             want = _attention(q, k, v, softcap=cap, backend="decode_cpu", **kw)
             assert all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(got, want, strict=True))
             ran += 1
-    assert ran == 3 * len(bounds) * 2 * 2 * 2
+    assert ran == 3 * len(bounds) * len(DTYPES) * 2 * 2
 
 
 def test_prepare_decode_is_none_where_attention_runs_another_kernel():

@@ -186,7 +186,9 @@ class RowsStep:
                     sp, en = (
                         x if x is None or pos is None else x[:, pos] for x in (None if st is None else st[-1], g.end)
                     )
-                    memo = self._memo.setdefault(("prefix", gi, j, window, softcap, q.shape, q.dtype), {})
+                    kp = g.cache.k[layer]
+                    memo = self._memo.setdefault(("prefix", gi, j, window, softcap, q.shape, q.dtype, kp.shape[1],
+                                                  kp.dtype), {})  # fmt: skip
                     o, l_ = prefix_state(q[:, :, t], g, layer, sp, scale, softcap, 0, g.local, wide=wide, end=en,
                                          memo=memo)  # fmt: skip
                     so[1][:, :, t], sl[1][:, :, t] = o, l_  # a token reads one prefix: its state, not a merge
@@ -214,7 +216,7 @@ def row_state(q: Tensor, k: Tensor, v: Tensor, lens: Tensor, start, scale, softc
     (``end [n, T]``: query j's slots end there). ``memo``: see :func:`_prepared`."""
     call = _prepared(memo, q, k, v, kv_lens=lens, kv_start=start, kv_end=end, softcap=softcap)
     if call is not None:
-        return call(q, k, v, scale, softcap, keep_fp32=True)
+        return call(q, k, v, scale, keep_fp32=True)
     return _attention(q, k, v, scale=scale, kv_lens=lens, kv_start=start, kv_end=end, softcap=softcap,
                       keep_fp32=True)  # fmt: skip
 
@@ -244,7 +246,7 @@ def prefix_state(q: Tensor, g: PrefixGroup, layer: int, start, scale, softcap, a
     be = "decode_cpu" if q.device.type == "cpu" else "auto"
     call = _prepared(memo, q, kp, vp, kv_start=start, kv_end=end, softcap=softcap, backend=be)
     if call is not None:
-        return call(q, kp, vp, scale, softcap, keep_fp32=True)
+        return call(q, kp, vp, scale, keep_fp32=True)
     return _attention(q, kp, vp, scale=scale, kv_start=start, kv_end=end, softcap=softcap, keep_fp32=True,
                       backend=be)  # fmt: skip
 

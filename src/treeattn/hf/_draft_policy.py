@@ -51,11 +51,14 @@ _BETA0 = 0.5  # prior cost of each extra token, relative to a plain step (a CPU'
 _PROBE = 16  # a kind not drafted for this many steps of its evidence gets a 1-token draft
 
 
+QUOTE = 6  # a prompt-lookup match agreeing this far back: a quote (the last bucket of its evidence)
+
+
 def evidence(kind):
     """The kind of evidence a draft is counted under: prompt lookup's match length bucketed
     (1, 2, 3, 4 for 4-5, 6 for 6 and more), anything else as is."""
     if isinstance(kind, int) and not isinstance(kind, bool):
-        return kind if kind <= 3 else 4 if kind <= 5 else 6
+        return kind if kind <= 3 else 4 if kind < QUOTE else QUOTE
     return kind
 
 

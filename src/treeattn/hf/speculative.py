@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ..comm.collectives import broadcast, world
-from ._draft_policy import DraftPolicy
+from ._draft_policy import QUOTE, DraftPolicy
 from ._model import cache_kw
 from .sampler import Sampler
 
@@ -31,7 +31,7 @@ SPECULATE = ("prompt-lookup", "draft")
 # rejected at once, paraphrases of a common phrase; from 10 on, quotes)
 RESUMED = 10
 _EDIT = 2  # prompt lookup: the most tokens one edit of a quote inserts, drops or changes
-_RESUME_HITS = 64  # earlier places of the last n-gram past which no edit is looked across (a common n-gram)
+_RESUME_HITS = 64  # a last n-gram found at more earlier places (a common one) is not looked past an edit at
 _MSG = 240  # bytes of a drafting error carried to the other ranks
 
 
@@ -47,7 +47,7 @@ class Draft:
     q: Tensor | None = None
     trials: dict[int, list[int]] | None = None
     match: int = 0  # prompt lookup: how far back the followed match agrees (its n-gram and more)
-    resumed: bool = False  # prompt lookup: ``match`` counts across one edit (a quote that resumed)
+    resumed: bool = False  # prompt lookup: ``match`` counts across one edit (a quote that resumed); informational
 
 
 class PromptLookup:
@@ -61,8 +61,9 @@ class PromptLookup:
     :data:`_EDIT` tokens the answer inserted, dropped or changed) to :data:`RESUMED` tokens in
     all is followed instead, ``match`` that length and ``resumed`` set: a quote that changed a
     word and goes on quoting (one that resumes fewer tokens back is too often a paraphrase: a
-    common phrase, then the paraphrase's own words). With ``width > 1`` the continuations of up
-    to ``width`` distinct matches, in that order, merged into a trie.
+    common phrase, then the paraphrase's own words). Only the last n-grams found at most
+    :data:`_RESUME_HITS` times are looked past an edit at. With ``width > 1`` the
+    continuations of up to ``width`` distinct matches, in that order, merged into a trie.
 
     The n-grams of the history are indexed once and extended as it grows (a history that does
     not begin with the last one is indexed afresh): a lookup over a long document costs a few
@@ -95,7 +96,7 @@ class PromptLookup:
                 continue
             ctx = [self._context(h, i, n) for i in hits]
             resumed = False
-            if n >= 2 and max(ctx) < 6 and len(hits) <= _RESUME_HITS:  # a quote past an edit?
+            if n >= 2 and max(ctx) < QUOTE and len(hits) <= _RESUME_HITS:  # a quote past an edit?
                 past = [c + self._past_edit(h, i + n - c - 1, L - c - 1, c) for c, i in zip(ctx, hits, strict=True)]
                 if max(past) >= RESUMED:
                     ctx, resumed = past, True

@@ -26,13 +26,13 @@ def _backend(q, k, v, backend, mask, kv_lens, causal, kv_start, kv_end, softcap)
 
 class DecodeCall:
     """:func:`_attention`'s decode_cpu call with each row's keys worked out once, for calls of
-    one shape and the same bounds (the layers of a batched step): called with their q, k, v,
-    it passes the kernel the arguments :func:`_attention` would, so the bits are the same."""
+    one shape, the same bounds and softcap (the layers of a batched step): called with their q,
+    k, v, it passes the kernel the arguments :func:`_attention` would, so the bits are the same."""
 
-    def __init__(self, n: int | None, lo: Tensor | None, hi: Tensor | None, empty: bool) -> None:
-        self.n, self.lo, self.hi, self.empty = n, lo, hi, empty  # n: the keys kept (None: all)
+    def __init__(self, n: int | None, lo: Tensor | None, hi: Tensor | None, empty: bool, softcap) -> None:
+        self.n, self.lo, self.hi, self.empty, self.softcap = n, lo, hi, empty, softcap  # n: keys kept (None: all)
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, scale: float | None, softcap: float | None,
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, scale: float | None,
                  keep_fp32: bool = False) -> tuple[Tensor, Tensor]:  # fmt: skip
         B, Hq, Tq, D = q.shape
         Hkv, Dv = k.shape[1], v.shape[3]
@@ -45,7 +45,7 @@ class DecodeCall:
         from ._decode_cpu import decode_cpu
 
         scale = D**-0.5 if scale is None else float(scale)  # keys outside a row's [lo, hi) are never read
-        out, lse = decode_cpu(q.reshape(B, Hkv, Hq // Hkv * Tq, D), k, v, scale, self.lo, self.hi, softcap)
+        out, lse = decode_cpu(q.reshape(B, Hkv, Hq // Hkv * Tq, D), k, v, scale, self.lo, self.hi, self.softcap)
         if acc == torch.float64:
             out, lse = out.double(), lse.double()
         return out.to(acc if keep_fp32 else q.dtype).reshape(B, Hq, Tq, Dv), lse.reshape(B, Hq, Tq)
@@ -58,24 +58,33 @@ def prepare_decode(q: Tensor, k: Tensor, v: Tensor, *, kv_lens: Tensor | None = 
     decode_cpu kernel, ready for calls of the same shapes and bounds; None where it is another."""
     if _backend(q, k, v, backend, None, kv_lens, causal, kv_start, kv_end, softcap) != "decode_cpu":
         return None
-    return _decode_call(q, k, kv_lens, causal, kv_start, kv_end)
+    return _decode_call(q, k, kv_lens, causal, kv_start, kv_end, softcap)
 
 
-def _decode_call(q: Tensor, k: Tensor, kv_lens, causal: bool, kv_start, kv_end) -> DecodeCall:
+def _decode_call(q: Tensor, k: Tensor, kv_lens, causal: bool, kv_start, kv_end, softcap) -> DecodeCall:
     B, Hq, Tq, _ = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    n = None
-    if kv_lens is not None and kv_start is None and kv_end is None and not (causal and Tq > 1):
-        lens = kv_lens.tolist()  # a host tensor: no sync. One length for every sequence (a decode step's
-        if len(set(lens)) == 1:  # cache): a slice of the keys, no per-row bounds
-            n = S = min(max(int(lens[0]), 0), S)
-            kv_lens = None
+    n = one_length(q, S, kv_lens, causal, kv_start, kv_end)
+    if n is not None:
+        S, kv_lens = n, None
     lo, hi = _row_bounds(B, Tq, Hq // Hkv, S, kv_lens, causal, kv_start, kv_end, q.device)
     empty = False
     if lo is not None or hi is not None:
         empty = not bool(((S if hi is None else hi.clamp(max=S)) > (0 if lo is None else lo)).any())
-    R = Hq // Hkv * Tq
-    return DecodeCall(n, None if lo is None else lo.reshape(B, R), None if hi is None else hi.reshape(B, R), empty)
+    R = Hq // Hkv * Tq  # the kernel's [B, R] int64 bounds, made once
+    lo, hi = (None if x is None else x.reshape(B, R).contiguous() for x in (lo, hi))
+    return DecodeCall(n, lo, hi, empty, softcap)
+
+
+def one_length(q: Tensor, S: int, kv_lens, causal: bool, kv_start, kv_end) -> int | None:
+    """The keys every sequence reads where that is one length on the CPU and nothing else bounds
+    a row (a decode step's cache): the call takes a slice of the keys, no per-row bounds."""
+    if kv_lens is None or q.device.type != "cpu" or kv_start is not None or kv_end is not None:
+        return None
+    if causal and q.shape[2] > 1:
+        return None
+    lens = kv_lens.tolist()  # a host tensor: no sync
+    return min(max(int(lens[0]), 0), S) if len(set(lens)) == 1 else None
 
 
 def _per_row(t: Tensor, B: int, Tq: int, R: int, device: torch.device) -> Tensor:

@@ -43,8 +43,7 @@ _SRCS = tuple(Path(__file__).with_name(f) for f in ("_decode_cpu.c", "_prefill_c
                                                     "_merge_shm.c", "_linear_cpu.c"))  # one .so
 # the headers _decode_cpu.c includes (one translation unit): not compiled on their own, but
 # hashed with the sources, so that a header's edit builds a new .so
-_HDRS = tuple(Path(__file__).with_name(f"_decode_cpu_{n}.h") for n in ("avx2", "scalar", "generic", "bf16tiles",
-                                                                        "avx512", "fast"))
+_HDRS = tuple(sorted(Path(__file__).parent.glob("_decode_cpu_*.h")))
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _QDTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # -fopenmp: the prefill kernel's threads come from torch's OpenMP pool (libgomp.so.1, already

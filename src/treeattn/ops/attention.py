@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from ._blocks import _chunked
-from ._bounds import _backend, _decode_call, _row_bounds, _trim
+from ._bounds import _backend, _decode_call, _row_bounds, _trim, one_length
 from .state import empty_state
 
 __all__ = ["attention_with_lse", "check_attention_inputs", "BACKENDS"]
@@ -210,20 +210,12 @@ def _attention(
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     backend = _backend(q, k, v, backend, mask, kv_lens, causal, kv_start, kv_end, softcap)
     if backend == "decode_cpu" and mask is None:  # it reads only each row's [lo, hi): nothing to trim or zero
-        return _decode_call(q, k, kv_lens, causal, kv_start, kv_end)(q, k, v, scale, softcap, keep_fp32)
+        return _decode_call(q, k, kv_lens, causal, kv_start, kv_end, softcap)(q, k, v, scale, keep_fp32)
     G = Hq // Hkv
-    if (
-        kv_lens is not None
-        and q.device.type == "cpu"
-        and kv_start is None
-        and kv_end is None
-        and not (causal and Tq > 1)
-    ):
-        lens = kv_lens.tolist()  # a host tensor: no sync. One length for every sequence (a decode step's
-        if len(set(lens)) == 1:  # cache): a slice of the keys, no per-row bounds to build and trim
-            n = min(max(int(lens[0]), 0), S)
-            k, v, S, kv_lens = k[:, :, :n], v[:, :, :n], n, None
-            mask = None if mask is None else mask[..., :n]
+    n = one_length(q, S, kv_lens, causal, kv_start, kv_end)
+    if n is not None:  # a slice of the keys, no per-row bounds to build and trim
+        k, v, S, kv_lens = k[:, :, :n], v[:, :, :n], n, None
+        mask = None if mask is None else mask[..., :n]
     # every row's visible keys are [lo, hi) (AND the optional dense mask), computed here only
     lo, hi = _row_bounds(B, Tq, G, S, kv_lens, causal, kv_start, kv_end, q.device)
     if backend == "triton":  # straight to the kernel: it reads each row's bounds itself (no trim, no sync)
