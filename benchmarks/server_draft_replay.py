@@ -12,7 +12,7 @@ did), each decode step of ``N`` tokens costing ``a + b N`` ms (``--costs a b``, 
 the decode-step seconds the prompt-lookup server measured in that benchmark, 2026-11-29: 55 ms
 at 1 token, 87 at 4, 121 at 8, 227 at 19). Greedy output does not depend on the drafts, so
 only the time changes. "hindsight" drafts, of each draft prompt lookup offers, exactly the
-tokens that will be accepted: the bound of this drafter under this cost model.
+tokens that will be accepted: the bound of this drafter under this cost model and ``--k``.
 
     python benchmarks/server_draft_replay.py           # ~3 min the first time (the answers)
 """
