@@ -27,8 +27,8 @@ from .sampler import Sampler
 
 SPECULATE = ("prompt-lookup", "draft")
 # prompt lookup: a short match whose agreement goes on this far past one edit is a quote that resumed
-# (replayed over real answers, benchmarks/draft_replay.py: at 6-8 tokens half of such drafts were
-# rejected at once, paraphrases of a common phrase; from 10 on, quotes)
+# (benchmarks/draft_replay.py's answers: from 6 on, 4 of the 7 such drafts made were rejected at
+# once, paraphrases past a common phrase; the ones of 10 and more were quotes)
 RESUMED = 10
 _EDIT = 2  # prompt lookup: the most tokens one edit of a quote inserts, drops or changes
 _RESUME_HITS = 64  # a last n-gram found at more earlier places (a common one) is not looked past an edit at
