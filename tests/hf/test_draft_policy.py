@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from treeattn.hf._draft_policy import DraftPolicy, evidence
-from treeattn.hf.speculative import Draft, PromptLookup, _cut, _trie
+from treeattn.hf.prompt_lookup import Draft, PromptLookup, _cut, _trie
 
 
 def simulate(alpha: float, beta: float, kind, steps: int = 3000, k: int = 5, seed: int = 0,

@@ -36,7 +36,7 @@ class Oracle:
         self.n0, self.ref, self.V, self.rng = prompt_len, ref, V, random.Random(seed)
 
     def propose(self, history, k, width):
-        from treeattn.hf.speculative import _trie
+        from treeattn.hf.prompt_lookup import _trie
 
         at = len(history) - self.n0  # generated tokens so far, the pending one included
         good = self.ref[at : at + k]

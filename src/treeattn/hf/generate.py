@@ -13,9 +13,10 @@ from ..comm.validate import agree, float_bits
 from ._model import checksum, model_problem, right_padded
 from ._settings import ATTENTIONS, PREFILLS
 from .contrastive import HiddenStore, contrastive_step
+from .prompt_lookup import PromptLookup
 from .sampler import Sampler
 from .session import Session
-from .speculative import SPECULATE, DraftModel, PromptLookup, Speculator
+from .speculative import SPECULATE, DraftModel, Speculator
 
 
 def _prompt_lens(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
@@ -132,7 +133,7 @@ def generate(
             and the output) or ``"draft"`` (``draft_model`` drafts): each target forward
             verifies up to ``num_draft_tokens`` drafted tokens deep, ``tree_width``
             branches (1: a chain; more: a token tree in one :meth:`Session.step`; the shapes:
-            :class:`treeattn.hf.speculative.PromptLookup`, ``DraftModel``). Greedy output is
+            :class:`treeattn.hf.prompt_lookup.PromptLookup`, ``DraftModel``). Greedy output is
             that of non-speculative greedy decoding (up to float rounding at exact near-ties);
             sampling stays lossless (see :mod:`treeattn.hf.speculative`). One sequence (B = 1).
             ``info`` gets ``mean_accepted_length`` (tokens committed per target forward),

@@ -37,7 +37,8 @@ import time
 import torch
 
 from ..hf._draft_policy import _BETA0, _PROBE, DraftPolicy
-from ..hf.speculative import DraftModel, PromptLookup
+from ..hf.prompt_lookup import PromptLookup
+from ..hf.speculative import DraftModel
 
 # a draft must promise the batch 2 % more tokens per second (generate's margin too). Replayed over
 # 4 requests at once with the step costs a server measured (benchmarks/server_draft_replay.py,
