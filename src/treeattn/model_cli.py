@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ._argtypes import at_least, positive_float
-from .comm.strategies import STRATEGIES
+from .config import Layout, add_arguments, from_args
 
 
 class UsageError(ValueError):
@@ -27,8 +27,9 @@ def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def add_model_args(g: argparse.ArgumentParser) -> None:
-    """The model, its dtype and the ranks: the arguments both commands take."""
+def add_model_args(g: argparse.ArgumentParser, *, cuda_graph: bool = False) -> None:
+    """The model, its dtype and the ranks, and the :class:`~treeattn.config.Layout` (its
+    ``--cuda-graph`` with ``cuda_graph``): the arguments both commands take."""
     from .hf.presets import PRESETS
 
     src = g.add_mutually_exclusive_group()
@@ -38,17 +39,7 @@ def add_model_args(g: argparse.ArgumentParser) -> None:
     src.add_argument("--preset", default="tiny-llama", choices=list(PRESETS),
                      help="random-weight config (default tiny-llama)")  # fmt: skip
     g.add_argument("--nproc", type=at_least(1), default=2, help="local ranks to launch (ignored under torchrun)")
-    g.add_argument("--attention", choices=["tree", "ring"], default="tree", help="decoding: Tree or Ring Attention")
-    g.add_argument("--prefill", choices=["auto", "tree", "ring"], default="auto",
-                   help="how prompts are prefilled across ranks (default auto: per chunk, the method moving fewer "
-                   "bytes)")  # fmt: skip
-    g.add_argument("--strategy", choices=STRATEGIES, default="auto",
-                   help="how tree attention merges across ranks (default auto: the cost model picks)")  # fmt: skip
-    g.add_argument("--placement", choices=["interleaved", "contiguous"], default="interleaved")
-    g.add_argument("--block", type=at_least(1), default=None,
-                   help="tokens per placement block of the KV cache (default: by the prompt's length, up to 256)")  # fmt: skip
-    g.add_argument("--prefill-chunk", type=at_least(0), default=1024,
-                   help="prompt tokens per rank per prefill step (0: all)")  # fmt: skip
+    add_arguments(g, Layout, skip=() if cuda_graph else ("cuda_graph",))
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     g.add_argument("--seed", type=int, default=0,
                    help="the random weights of a --preset (generate: also sampling, --prompt-len prompts)")  # fmt: skip
@@ -132,9 +123,12 @@ def check_draft_model(a: argparse.Namespace, cfg, model_dir: str | None) -> str 
 
 
 def session_kwargs(a: argparse.Namespace) -> dict:
-    """The Session keywords the parallelism arguments give."""
-    return dict(placement=a.placement, attention=a.attention, strategy=a.strategy,
-                prefill_chunk=a.prefill_chunk or None, block=a.block, prefill=a.prefill)  # fmt: skip
+    """The Session keywords the :class:`~treeattn.config.Layout` options give (``cuda_graph``
+    only on a CUDA device)."""
+    lay = from_args(Layout, a)
+    kw = {f: getattr(lay, f) for f in Layout.__dataclass_fields__}
+    kw["cuda_graph"] = lay.cuda_graph and a.device == "cuda"
+    return kw
 
 
 def rank_model(a: argparse.Namespace, model_dir: str | None, spec: str | None = None) -> tuple:

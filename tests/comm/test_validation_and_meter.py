@@ -19,7 +19,7 @@ from treeattn.launch import launch
 
 P = 3
 D = 16
-VALIDATE_BYTES = (2 + 240 + 16) * 8  # agree(): one all-gather of 2 + 240 + 16 int64 per rank
+VALIDATE_BYTES = (2 + 240 + 3) * 8  # agree(): one all-gather of 2 + 240 + 3 int64 per rank (flag, message, count, digest)
 
 
 def make(B=2, Hq=8, Hkv=2, Tq=3, S=5, Dv=D, dtype=torch.float32, d=D, seed=0):

@@ -117,10 +117,10 @@ def test_temperature_0_samples_greedily():
     a = build_parser().parse_args(["generate", "--preset", "tiny-llama", "--prompt-ids", "1,2", "--sample",
                                    "--temperature", "0", "--compare-single"])  # fmt: skip
     prepare(a)
-    assert a.sample is False
+    assert a.do_sample is False
     a = build_parser().parse_args(["generate", "--preset", "tiny-llama", "--prompt-ids", "1,2", "--sample"])
     prepare(a)
-    assert a.sample is True
+    assert a.do_sample is True
 
 
 def test_system_needs_chat(capsys):
@@ -145,16 +145,20 @@ def test_compare_single_refuses_sampling(capsys):
     [
         ("generate", ["--nproc", "0"], "--nproc: must be >= 1, got 0"),
         ("generate", ["--nproc", "-1"], "--nproc: must be >= 1, got -1"),
-        ("generate", ["--prefill-chunk", "-5"], "--prefill-chunk: must be >= 0, got -5"),
+        ("generate", ["--prefill-chunk", "-5"], "--prefill-chunk: must be an int >= 1 (or 0: off), got -5"),
         ("generate", ["--strategy", "bogus"], "--strategy: invalid choice: 'bogus'"),
         ("generate", ["--prefill", "ulysses"], "--prefill: invalid choice: 'ulysses'"),
         ("serve", ["--prefill", "bogus"], "--prefill: invalid choice: 'bogus'"),
         ("serve", ["--port", "-1"], "--port: must be >= 0, got -1"),
         ("generate", ["--threads", "x"], "--threads: not an integer: 'x'"),
         ("generate", ["--temperature", "-0.5"], "--temperature: must be a finite number >= 0, got -0.5"),
-        ("generate", ["--temperature", "nan"], "--temperature: must be a finite number, got nan"),
-        ("generate", ["--top-p", "1.5"], "--top-p: must be in (0, 1], got 1.5"),
-        ("generate", ["--top-p", "0"], "--top-p: must be in (0, 1], got 0"),
+        ("generate", ["--temperature", "nan"], "--temperature: must be a finite number >= 0, got nan"),
+        ("generate", ["--top-p", "1.5"], "--top-p: must be a finite number in (0, 1], got 1.5"),
+        ("generate", ["--top-p", "0"], "--top-p: must be a finite number in (0, 1], got 0"),
+        ("generate", ["--typical-p", "2"], "--typical-p: must be a finite number in (0, 1], got 2"),
+        ("generate", ["--eta-cutoff", "1"], "--eta-cutoff: must be a finite number in [0, 1) (or 0: off), got 1"),
+        ("serve", ["--max-batch", "0"], "--max-batch: must be an int >= 1, got 0"),
+        ("serve", ["--num-draft-tokens", "16"], "--num-draft-tokens: must be <= 15, got 16"),
         ("generate", ["--timeout", "0"], "--timeout: must be a finite number > 0, got 0"),
         ("generate", ["--collective-timeout", "0"], "--collective-timeout: must be a finite number > 0, got 0"),
         ("serve", ["--collective-timeout", "-1"], "--collective-timeout: must be a finite number > 0, got -1"),
@@ -201,4 +205,4 @@ def test_speculate_bad_options(capsys, args, text):
 def test_speculate_numbers_are_checked_by_argparse(capsys, flag):
     with pytest.raises(SystemExit) as e:
         main(["generate", flag, "0"])
-    assert e.value.code == 2 and f"argument {flag}: must be >= 1, got 0" in capsys.readouterr().err
+    assert e.value.code == 2 and f"argument {flag}: must be an int >= 1, got 0" in capsys.readouterr().err

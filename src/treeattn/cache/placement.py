@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-PLACEMENTS: tuple[str, ...] = ("contiguous", "interleaved")
+from ..config import PLACEMENTS
 
 
 @dataclass(frozen=True)

@@ -73,11 +73,11 @@ class ShardedKVCache:
             "kv_heads": kv_heads,
             "head_dim": head_dim,
             "v_head_dim": v_head_dim or head_dim,
-            "dtype": _DT.get(dtype, 0),
-            "placement": PLACEMENTS.index(placement) if placement in PLACEMENTS else -1,
+            "dtype": str(dtype).removeprefix("torch."),
+            "placement": placement if isinstance(placement, str) else None,
             "block": block,
         }
-        agree(fields, err, group=group, show={"placement": dict(enumerate(PLACEMENTS))})
+        agree(fields, err, group=group)
         self.placement = Placement(placement, self.p, block)
         self.num_layers, self.B, self.Hkv, self.D = num_layers, batch, kv_heads, head_dim
         self.Dv = v_head_dim or head_dim

@@ -25,14 +25,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..config import STRATEGIES  # the choices' one definition, in the settings
 from ..cost.model import Cluster, choose, reduction_costs
 from ..cost.profile import resolve
 from ..ops.packed import merge_packed
 from . import meter
 from .collectives import all_gather, all_reduce, gather_merge, group_or_world, world
 from .topology import Topology, node_groups
-
-STRATEGIES: tuple[str, ...] = ("auto", "allreduce3", "allreduce2", "allgather", "hierarchical")
 
 
 @dataclass(frozen=True)

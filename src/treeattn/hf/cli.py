@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .._argtypes import at_least, fraction, non_negative_float, positive_float
+from .._argtypes import at_least, positive_float
+from ..config import Sampling, Speculation, add_arguments, from_args
 from ..model_cli import (
     UsageError,
     add_model_args,
@@ -77,15 +78,15 @@ def prepare(a: argparse.Namespace) -> Job:
         raise UsageError("--chat needs --prompt or --prompt-file")
     if a.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
-    a.sample = a.sample and a.temperature > 0  # temperature 0: greedy, as in OpenAI's API
-    if a.compare_single and a.sample:
+    a.do_sample = a.do_sample and a.temperature > 0  # temperature 0: greedy, as in OpenAI's API
+    if a.compare_single and a.do_sample:
         raise UsageError("--compare-single checks greedy decoding against model.generate; drop --sample or it")
     if a.penalty_alpha is not None:
         if not 0 < a.penalty_alpha <= 1:
             raise UsageError(f"--penalty-alpha must lie in (0, 1], got {a.penalty_alpha}")
         if not a.top_k or a.top_k < 2:
             raise UsageError("--penalty-alpha (contrastive search) needs --top-k >= 2 candidates")
-        if a.sample or a.speculate or a.compare_single:
+        if a.do_sample or a.speculate or a.compare_single:
             raise UsageError(
                 "--penalty-alpha (contrastive search) is its own method: drop --sample, --speculate, --compare-single"
             )
@@ -188,22 +189,14 @@ def worker(a: argparse.Namespace, job: Job, local: bool) -> None:
         ids,
         max_new_tokens=job.max_new_tokens,
         **session_kwargs(a),
-        do_sample=a.sample,
-        temperature=a.temperature if a.sample else 1.0,
-        top_k=a.top_k,
-        top_p=a.top_p,
-        seed=a.seed,
+        **vars(from_args(Sampling, a, seed=a.seed, temperature=a.temperature if a.do_sample else 1.0)),
+        **vars(from_args(Speculation, a)),
         stop_at_eos=not a.ignore_eos,
         streamer=streamer,
         info=timings,
         progress=a.progress,
-        speculate=a.speculate,
         draft_model=draft,
-        cuda_graph=a.cuda_graph and a.device == "cuda",
-        num_draft_tokens=a.num_draft_tokens,
-        tree_width=a.tree_width,
         penalty_alpha=a.penalty_alpha,
-        adaptive_draft=not a.fixed_draft,
     )
     dec = timings["decode"]
     t = torch.tensor([timings["ttft"], timings["prefill"], sum(dec), statistics.median(dec) if dec else 0.0])
@@ -262,7 +255,7 @@ def add_parser(sub) -> None:
         description="Generate with a transformers model whose KV cache is sharded across ranks. The generated "
         "text streams to stdout (rank 0); status and statistics go to stderr.",
     )
-    add_model_args(g)
+    add_model_args(g, cuda_graph=True)
     pr = g.add_mutually_exclusive_group()
     pr.add_argument("--prompt", help="text (needs the model's tokenizer)")
     pr.add_argument("--prompt-file", help="a text file to use as the prompt (a long document); - reads stdin")
@@ -275,45 +268,23 @@ def add_parser(sub) -> None:
         "--max-new-tokens", type=at_least(1), default=128, help="at most this many (stops at EOS; default 128)"
     )
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
-    g.add_argument("--sample", action="store_true", help="sample instead of greedy")
-    g.add_argument("--temperature", type=non_negative_float, default=1.0,
-                   help="with --sample (default 1; 0: greedy, as in OpenAI's API)")  # fmt: skip
-    g.add_argument(
-        "--top-k",
-        type=at_least(0),
-        default=None,
-        help="sample from the k likeliest tokens (0: off); with --penalty-alpha: the contrastive candidates",
-    )
-    g.add_argument("--top-p", type=fraction, default=None, help="with --sample: nucleus sampling, in (0, 1]")
+    add_arguments(g, Sampling)
     g.add_argument("--timeout", type=positive_float, default=3600.0, help="seconds the whole run may take (default 3600)")
     g.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming it")
     g.add_argument("--compare-single", action="store_true", help="check tokens against single-process model.generate")
     g.add_argument("--progress", action="store_true", help="progress bar on rank 0")
-    g.add_argument("--cuda-graph", action="store_true", help="with --device cuda at one rank: each decode step "
-                   "as a replayed CUDA graph (the same tokens, less host time per token; ignored otherwise)")  # fmt: skip
-    g.add_argument(
-        "--speculate",
-        choices=["prompt-lookup", "draft"],
-        default=None,
-        help="speculative decoding: drafts from earlier n-grams (prompt-lookup) or a --draft-model, "
-        "verified in one forward per step (greedy output unchanged, sampling lossless)",
-    )
+    add_arguments(g, Speculation)
     g.add_argument(
         "--draft-model",
         help="the draft model for --speculate draft (same kinds of path as --model, or "
         "a preset); it needs the model's tokenizer",
     )
-    g.add_argument("--num-draft-tokens", type=at_least(1), default=5, help="drafted tokens per branch (default 5)")
-    g.add_argument("--fixed-draft", action="store_true", help="always draft --num-draft-tokens deep (default: as "
-                   "deep as measured costs and acceptance make worth it, none when no draft pays)")  # fmt: skip
     g.add_argument(
         "--penalty-alpha",
         type=float,
         default=None,
         help="contrastive search with --top-k candidates: degeneration penalty weight in (0, 1]",
     )
-    g.add_argument("--tree-width", type=at_least(1), default=1,
-                   help="draft branches verified together as a token tree (default 1: a chain)")  # fmt: skip
     g.set_defaults(func=run)
 
 

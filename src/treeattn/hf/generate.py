@@ -9,14 +9,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..comm.collectives import world
-from ..comm.validate import agree, float_bits
+from ..comm.validate import agree
+from ..config import Layout, Sampling, Speculation
 from ._model import checksum, model_problem, right_padded
-from ._settings import ATTENTIONS, PREFILLS
 from .contrastive import HiddenStore, contrastive_step
 from .prompt_lookup import PromptLookup
 from .sampler import Sampler
 from .session import Session
-from .speculative import SPECULATE, DraftModel, Speculator
+from .speculative import DraftModel, Speculator
 
 
 def _prompt_lens(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
@@ -164,18 +164,18 @@ def generate(
             attention interface).
     """
     rank, p = world(group)
-    err, lens, eos, pad, contrast, sampler = None, None, [], 0, False, None
+    err, lens, eos, pad, contrast, sampler, layout, sampling, spec_set = None, None, [], 0, False, None, None, None, None
     try:  # local checks; the verdict is shared below so a bad argument on one rank fails all
-        if attention not in ATTENTIONS:
-            raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
-        if prefill not in PREFILLS:
-            raise ValueError(f"prefill must be one of {PREFILLS}, got {prefill!r}")
+        layout = Layout(placement=placement, block=block, attention=attention, strategy=strategy, prefill=prefill,
+                        prefill_chunk=prefill_chunk, cuda_graph=cuda_graph)  # fmt: skip
+        sampling = Sampling(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                            typical_p=typical_p, eta_cutoff=eta_cutoff, seed=seed)  # fmt: skip
+        spec_set = Speculation(speculate=speculate, num_draft_tokens=num_draft_tokens, tree_width=tree_width,
+                               adaptive_draft=adaptive_draft)  # fmt: skip
         if input_ids.ndim != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids must be [B, L] with L >= 1, got {tuple(input_ids.shape)}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if prefill_chunk is not None and prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1 or None, got {prefill_chunk}")
+        if type(max_new_tokens) is not int or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens!r}")
         lens = _prompt_lens(input_ids, attention_mask)
         if bool((lens < 1).any()):
             raise ValueError(f"every prompt needs at least one token, got lengths {lens.tolist()}")
@@ -192,34 +192,31 @@ def generate(
             )
         eos = _eos_ids(model, eos_token_id, stop_at_eos)
         pad = _pad_id(model, pad_token_id, eos)
-        _check_speculate(model, input_ids, speculate, draft_model, num_draft_tokens, tree_width, rank, max_new_tokens)
+        _check_speculate(model, input_ids, speculate, draft_model, rank, max_new_tokens)
         contrast = _check_contrastive(penalty_alpha, top_k, do_sample, speculate, input_ids.shape[0],
                                       model.config.vocab_size)  # fmt: skip
-        sampler = Sampler(do_sample, temperature=temperature, top_k=top_k, top_p=top_p, typical_p=typical_p,
-                          eta_cutoff=eta_cutoff, seed=seed, device=input_ids.device)  # fmt: skip
+        sampler = Sampler(do_sample, temperature=sampling.temperature, top_k=top_k, top_p=sampling.top_p,
+                          typical_p=sampling.typical_p, eta_cutoff=sampling.eta_cutoff, seed=seed,
+                          device=input_ids.device)  # fmt: skip
     except ValueError as e:
         err = str(e)
     ok = err is None
     B, L = tuple(input_ids.shape[:2]) if ok else (-1, -1)
-    fields = {
+    fields = {  # every field of the three settings, and the call's own values
+        "layout": layout,
+        "sampling": sampling,
+        "speculation": spec_set,
         "B": B,
         "L": L,
         "input_ids checksum": checksum(input_ids) if ok else -1,
         "prompt lengths checksum": int((lens * torch.arange(1, B + 1)).sum()) if ok else -1,
-        "max_new_tokens": max_new_tokens,
-        "attention": ATTENTIONS.index(attention) if attention in ATTENTIONS else -1,
-        "do_sample": int(do_sample),
-        "seed": seed,
-        "temperature": float_bits(temperature),
-        "eos ids checksum": checksum(torch.tensor(eos, dtype=torch.int64)) if ok else -1,
+        "max_new_tokens": max_new_tokens if ok else -1,
+        "stop_at_eos": bool(stop_at_eos),
+        "eos_token_id": tuple(eos),
         "pad_token_id": pad,
-        "prefill_chunk": prefill_chunk or 0,
-        "speculate": SPECULATE.index(speculate) if speculate in SPECULATE else -1 if speculate is None else -2,
-        "num_draft_tokens": num_draft_tokens if speculate else 0,
-        "tree_width": tree_width if speculate else 0,
-        "penalty_alpha": float_bits(penalty_alpha or 0.0) if ok else -1,
+        "penalty_alpha": float(penalty_alpha or 0.0) if ok else -1,
     }
-    agree(fields, err, group=group, show={"temperature": "float", "attention": dict(enumerate(ATTENTIONS))})
+    agree(fields, err, group=group)
 
     device = input_ids.device
     session = Session(model, group, placement, attention, strategy, prefill_chunk, block=block, prefill=prefill,
@@ -324,16 +321,11 @@ def generate(
     return out[:, :n_out]
 
 
-def _check_speculate(model, input_ids, speculate, draft_model, k, width, rank, new) -> None:
+def _check_speculate(model, input_ids, speculate, draft_model, rank, new) -> None:
     if speculate is None:
         if draft_model is not None:
             raise ValueError('draft_model is given but speculate is not "draft"')
         return
-    if speculate not in SPECULATE:
-        raise ValueError(f"speculate must be one of {SPECULATE} or None, got {speculate!r}")
-    for name, v in (("num_draft_tokens", k), ("tree_width", width)):
-        if type(v) is not int or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     if input_ids.shape[0] != 1:
         raise ValueError(f"speculative decoding runs one sequence (B = 1), got a batch of {input_ids.shape[0]}")
     if speculate == "draft":

@@ -23,8 +23,6 @@ from ._forward import Forwards
 from ._history import History
 from ._settings import agree_settings
 
-_OPS = ("extend", "step", "keep", "rewind")
-
 
 class Session:
     """A model whose KV cache is sharded across the ranks of ``group`` and outlives a call:
@@ -87,8 +85,9 @@ class Session:
         cuda_graph: bool = False,
     ) -> None:
         self.rank, self.p = world(group)
-        limit = agree_settings(model, group, placement=placement, attention=attention, strategy=strategy,
-                               prefill_chunk=prefill_chunk, max_length=max_length, block=block, prefill=prefill)  # fmt: skip
+        self.layout, limit = agree_settings(model, group, max_length=max_length, placement=placement, block=block,
+                                            attention=attention, strategy=strategy, prefill=prefill,
+                                            prefill_chunk=prefill_chunk, cuda_graph=cuda_graph)  # fmt: skip
         self.model, self.group = model, group
         self.placement, self.block, self.max_length = placement, block, limit
         self.counters = dict(forwards=0, extend_tokens=0, extend_seconds=0.0, steps=0, step_tokens=0,
@@ -342,14 +341,14 @@ class Session:
     def _agree(self, op: str, err: str | None, ids: Tensor | None, extra: int) -> None:
         ok = err is None
         fields = {
-            "call": _OPS.index(op),
+            "call": op,
             "batch": ids.shape[0] if ok and ids is not None else -1,
             "tokens": ids.shape[1] if ok and ids is not None else -1,
             "token ids checksum": S.checksum(ids) if ok and ids is not None else -1,
             "arguments checksum": extra,
             "committed tokens": int(self.history.lens.sum()),
         }
-        agree(fields, err, group=self.group, show={"call": dict(enumerate(_OPS))})
+        agree(fields, err, group=self.group)
 
     def _ensure_cache(self, B: int, T: int) -> None:
         if self.cache is not None and (self.batch == B or len(self)):

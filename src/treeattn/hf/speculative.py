@@ -26,7 +26,6 @@ from ._model import cache_kw
 from .prompt_lookup import Draft, PromptLookup, _cut
 from .sampler import Sampler
 
-SPECULATE = ("prompt-lookup", "draft")
 _MSG = 240  # bytes of a drafting error carried to the other ranks
 
 

@@ -8,12 +8,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..comm.validate import agree, float_bits
+from ..comm.validate import agree
+from ..config import STRATEGIES
 from ..ops.attention import check_attention_inputs
 
-_DTYPES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
-_DTYPE_NAMES = {c: str(d).removeprefix("torch.") for d, c in _DTYPES.items()}
-_OPS = ("auto", "allreduce3", "allreduce2", "allgather", "hierarchical", "ring")
+_OPS = (*STRATEGIES, "ring")
 
 
 def check_new_tokens(q: Tensor, k: Tensor, v: Tensor, new_k, new_v, new_mask) -> None:
@@ -95,27 +94,20 @@ def validate_decode(
         "D": q.shape[3] if ok else -1,
         "Dv": v.shape[3] if ok else -1,
         "Tq": q.shape[2] if ok else -1,
-        "dtype": _DTYPES.get(q.dtype, 0) if ok else -1,
+        "dtype": str(q.dtype).removeprefix("torch.") if ok else None,
         # the scale each rank will use (None: 1/sqrt(D)): None and 0.0 must not look alike
-        "scale": float_bits(q.shape[3] ** -0.5 if scale is None else scale) if ok else 0,
-        "strategy": _OPS.index(op) if op in _OPS else -1,
-        "new tokens": int(new_k is not None),
-        "new_mask": -1 if new_mask is None or not isinstance(new_mask, Tensor) else new_mask.ndim,
+        "scale": float(q.shape[3] ** -0.5 if scale is None else scale) if ok else None,
+        "strategy": op if isinstance(op, str) else None,
+        "new tokens": new_k is not None,
+        "new_mask": "absent" if new_mask is None or not isinstance(new_mask, Tensor) else f"{new_mask.ndim}-D",
         "ranks_per_node": ranks_per_node,
-        "kv_start": -1 if not ok or kv_start is None else kv_start.ndim,
-        "softcap": float_bits(softcap) if ok and softcap is not None else 0,
-        "window": window if ok and window is not None else 0,
+        "kv_start": "absent" if not ok or kv_start is None else ("[B]", "[B, Tq]")[kv_start.ndim - 1],
+        "softcap": float(softcap) if ok and softcap is not None else None,
+        "window": window if ok else None,
         "cost model (profile)": model,
     }
-    show = {
-        "dtype": _DTYPE_NAMES,
-        "scale": "float",
-        "softcap": "float",
-        "strategy": dict(enumerate(_OPS)),
-        "kv_start": {-1: "absent", 1: "[B]", 2: "[B, Tq]"},
-    }
     device = q.device if isinstance(q, Tensor) and q.device.type != "cpu" and _nccl(group) else "cpu"
-    agree(fields, err, group=group, show=show, device=device)
+    agree(fields, err, group=group, device=device)
 
 
 def _nccl(group) -> bool:

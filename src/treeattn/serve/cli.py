@@ -14,6 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from .._argtypes import at_least
+from ..config import Serving, Speculation, add_arguments
 from ..model_cli import (
     UsageError,
     add_model_args,
@@ -70,7 +71,7 @@ def worker(a: argparse.Namespace, model_dir: str | None, local: bool) -> None:
     if a.speculate == "draft" and rank == 0:  # it drafts on rank 0 only
         draft = rank_model(a, a.draft_dir, a.draft_model)[0]
     engine = Engine(model, None, session_kwargs(a), a.cache_tokens, max_batch=a.max_batch,
-                    num_draft=a.num_draft_tokens if a.speculate else 0, fixed_draft=a.fixed_draft,
+                    num_draft=a.num_draft_tokens if a.speculate else 0, fixed_draft=not a.adaptive_draft,
                     draft_model=draft, draft_tokens=a.draft_cache_tokens)  # fmt: skip
     if rank:
         engine.follow()
@@ -128,28 +129,16 @@ def add_parser(sub) -> None:
     g.add_argument("--port", type=at_least(0), default=8000, help="port (default 8000; 0: any free port)")
     g.add_argument("--api-key", default=os.environ.get("TREEATTN_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default $TREEATTN_API_KEY)")  # fmt: skip
-    g.add_argument(
-        "--cache-tokens",
-        type=at_least(0),
-        default=32768,
-        help="KV tokens per rank the prefix cache may hold, the running requests included (a shared prefix counts "
-        "once); least recently used prefixes no running request reads go first (default 32768; 0: no prefix cache)",
-    )
-    g.add_argument("--max-batch", type=at_least(1), default=8,
-                   help="requests that run at once, batched into one forward per step (default 8; 1: one at a time)")  # fmt: skip
-    g.add_argument("--speculate", choices=["prompt-lookup", "draft"], default=None,
-                   help="speculative decoding inside the batched step: each request drafts from its own prompt and "
-                   "answer (prompt-lookup: a document it quotes) or from a --draft-model run on rank 0, as deep as "
-                   "measured step costs and its acceptance make worth it; answers unchanged")  # fmt: skip
+    add_arguments(g, Serving)
+    add_arguments(g, Speculation, skip=("tree_width",), helps={
+        "speculate": "speculative decoding inside the batched step: each request drafts from its own prompt and answer "
+        "(prompt-lookup: a document it quotes) or from a --draft-model run on rank 0, as deep as measured step costs "
+        "and its acceptance make worth it; answers unchanged",
+        "num_draft_tokens": f"with --speculate: the most tokens a request drafts per step (default 5, at most {MAX_DRAFT})",
+        "adaptive_draft": "with --speculate: every draft found, as deep as it goes (default: as deep as measured step "
+        "costs and acceptance make worth it)"}, highs={"num_draft_tokens": MAX_DRAFT})  # fmt: skip
     g.add_argument("--draft-model", help="the draft model of --speculate draft (same kinds of path as --model, or a "
                    "preset); it needs the model's tokenizer, and keeps a KV cache per drafting request on rank 0")  # fmt: skip
-    g.add_argument("--draft-cache-tokens", type=at_least(1), default=None,
-                   help="with --draft-model: tokens its KV caches may hold in all on rank 0, idle ones kept for later "
-                   "requests (default: --cache-tokens times the ranks, or 32768 per rank without a prefix cache)")  # fmt: skip
-    g.add_argument("--num-draft-tokens", type=at_least(1, MAX_DRAFT), default=5,
-                   help=f"with --speculate: the most tokens a request drafts per step (default 5, at most {MAX_DRAFT})")  # fmt: skip
-    g.add_argument("--fixed-draft", action="store_true", help="with --speculate: every draft found, as deep as it "
-                   "goes (default: as deep as measured step costs and acceptance make worth it)")  # fmt: skip
     g.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 429 (default 64)")
     g.add_argument("--access-log", action="store_true", help="log every request (uvicorn's access log)")
     g.set_defaults(func=run)

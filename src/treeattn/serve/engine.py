@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 from ..cache.placement import Placement
 from ..comm.collectives import CollectiveError, broadcast, world
+from ..comm.validate import agree
+from ..config import Layout, Serving
 from ..hf._model import auto_block
 from ..hf.batch import BatchRunner
 from .plan import MAX_DRAFT, Plan
@@ -66,14 +68,10 @@ class Engine:
     def __init__(self, model, group=None, session_kw: dict | None = None, cache_tokens: int = 32768,
                  heartbeat: float = 1.0, max_batch: int = 8, num_draft: int = 0,
                  fixed_draft: bool = False, draft_model=None, draft_tokens: int | None = None) -> None:  # fmt: skip
-        if type(num_draft) is not int or not 0 <= num_draft <= MAX_DRAFT:
-            raise ValueError(f"num_draft must be an int in [0, {MAX_DRAFT}], got {num_draft!r}")
         self.model, self.group, self.kw = model, group, dict(session_kw or {})
         self.draft_model = draft_model if num_draft else None
-        if self.draft_model is not None:
-            dv = self.draft_model.config.get_text_config().vocab_size
-            if dv != model.config.get_text_config().vocab_size:
-                raise ValueError(f"the draft model's vocabulary ({dv}) differs from the model's")
+        _agree_engine(model, group, self.kw, cache_tokens, heartbeat, max_batch, num_draft, fixed_draft,
+                      self.draft_model, draft_tokens)  # fmt: skip
         self.vocab: int = model.config.vocab_size
         self.rank, self.p = world(group)
         self.draft_tokens = draft_tokens if draft_tokens is not None else (cache_tokens or 32768) * self.p
@@ -225,3 +223,24 @@ class Engine:
                   kv_tokens_per_rank=kv, peak_kv_tokens_per_rank=max(kv, st["peak_kv_tokens_per_rank"]),
                   prefixes=[{"tokens": len(s), "tokens_per_rank": r.held(q), "readers": readers.get(q, 0)}
                             for q, s in r.prefixes.items()])  # fmt: skip
+
+
+def _agree_engine(model, group, kw, cache_tokens, heartbeat, max_batch, num_draft, fixed_draft, draft_model,
+                  draft_tokens) -> None:  # fmt: skip
+    """The engine's settings checked on each rank and agreed across ``group`` (every rank's
+    loop must plan alike): the same ValueError on every rank when any rank's are bad or differ."""
+    err, layout, serving = None, None, None
+    try:
+        if type(num_draft) is not int or not 0 <= num_draft <= MAX_DRAFT:
+            raise ValueError(f"num_draft must be an int in [0, {MAX_DRAFT}], got {num_draft!r}")
+        layout = Layout(**{k: v for k, v in kw.items() if k in Layout.__dataclass_fields__})
+        serving = Serving(cache_tokens=cache_tokens, max_batch=max_batch, draft_cache_tokens=draft_tokens)
+        if draft_model is not None:
+            dv = draft_model.config.get_text_config().vocab_size
+            if dv != model.config.get_text_config().vocab_size:
+                raise ValueError(f"the draft model's vocabulary ({dv}) differs from the model's")
+    except (ValueError, TypeError) as e:
+        err = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+    rest = {f"session {k}": v for k, v in kw.items() if k not in Layout.__dataclass_fields__}
+    agree({"layout": layout, "serving": serving, **rest, "num_draft": num_draft, "fixed_draft": bool(fixed_draft),
+           "heartbeat": float(heartbeat), "vocab_size": model.config.vocab_size}, err, group=group)  # fmt: skip
