@@ -51,3 +51,19 @@ def test_a_tiny_temperature_samples_the_maximum(t):
     assert torch.isfinite(p).all() and torch.equal(p, torch.nn.functional.one_hot(logits.argmax(-1), 4).float())
     assert s.pick(logits).tolist() == [1, 0]
     assert [s.next(x) for x in logits] == [1, 0]
+
+
+def test_min_p_is_transformers_warper_after_top_p():
+    """min-p (the server's ``min_p``, vLLM's extra field) sits where transformers' generate puts
+    it: after top-p, before typical-p."""
+    from transformers.generation.logits_process import MinPLogitsWarper, TypicalLogitsWarper
+
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(2))
+    ref = TypicalLogitsWarper(0.9)(None, MinPLogitsWarper(0.1)(None, TopPLogitsWarper(0.95)(
+        None, TemperatureLogitsWarper(0.8)(None, logits.float()))))  # fmt: skip
+    p = Sampler(True, temperature=0.8, top_p=0.95, min_p=0.1, typical_p=0.9).probs(logits)
+    assert torch.allclose(p, torch.softmax(ref, -1)) and bool((p == 0).any())
+    assert torch.equal(Sampler(True, min_p=0.0).probs(logits), Sampler(True).probs(logits))  # 0: off
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="min_p must be a float in"):
+            Sampler(True, min_p=bad)

@@ -453,7 +453,18 @@ def _hostile() -> list[tuple[str, str, dict | bytes]]:
         "max_tokens": [0, -1, *huge, 1e300, *wrong],
         "temperature": [-1, -1e-9, 2.5, 1e308, 2**80, -(2**80), "hot", True, [1]],
         "top_p": [0, -0.5, 1.5, 2**80, -(2**80), "x", True],
-        "n": [0, 2, -1, 2**80],
+        "n": [0, 2, -1, 2**80, True, 1.0],
+        "top_k": [-2, 1.5, "x", True, 2**80],
+        "min_p": [-0.1, 1.5, "x", True],
+        "typical_p": [0, -1, 1.5],
+        "eta_cutoff": [1, -0.1, 2],
+        "stop_token_ids": [[-1], [512], "x", [1] * 65, [True], [2**63]],
+        "ignore_eos": ["yes", 1],
+        "tools": [[{"type": "function", "function": {"name": "f"}}]],
+        "response_format": [{"type": "json_schema", "json_schema": {"$ref": "#"}}, "json"],
+        "top_logprobs": [5, 2**80],
+        "echo": [True],
+        "best_of": [3],
         "stop": [5, ["a"] * 5, "x" * 5000, ["\ud800"], [None]],
         "prompt": prompts,
         "model": ["nope", "\u202e", "\ud800", 5, None],
@@ -485,6 +496,63 @@ def _hostile() -> list[tuple[str, str, dict | bytes]]:
     }.items():
         out.append((f"raw {what}", "/v1/completions", raw))
     return out
+
+
+def _by_hand(model, ids: list[int], n: int, sampler=None) -> list[int]:
+    """``n`` tokens of single-process transformers, one full forward per token (no EOS stop),
+    chosen by ``sampler`` (:class:`treeattn.hf.sampler.Sampler`; None: greedy)."""
+    out = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([out])).logits[0, -1]
+            out.append(sampler.next(logits) if sampler is not None else int(logits.argmax()))
+    return out[len(ids) :]
+
+
+def test_lenient_requests_and_sampling_extras(tiny_server):
+    """As vLLM's server: null is absent and unknown fields are ignored (an OpenAI SDK's
+    metadata, store, user, service_tier, ...), known fields at their no-op values pass, and
+    vLLM's sampling extras reach the row's sampler: top_k = 1 and min_p = 1 are greedy
+    decoding, typical_p and eta_cutoff draw exactly what transformers' warpers and the same
+    seed draw, stop_token_ids end the answer at that token, ignore_eos runs to max_tokens."""
+    from treeattn.hf.sampler import Sampler
+
+    s = tiny_server
+    model = _model()
+    ids = [11, 12, 13, 14, 15]
+    greedy = _by_hand(model, ids, 10)
+    base = {"model": MODEL, "prompt": ids, "max_tokens": 10}
+    odd = {"temperature": None, "top_p": None, "seed": None, "stop": None, "logit_bias": None, "metadata": {"a": "b"},
+           "store": False, "user": "u", "service_tier": "auto", "n": 1, "frequency_penalty": 0, "presence_penalty": 0.0,
+           "logprobs": None, "echo": False, "best_of": 1, "parallel_tool_calls": True, "x_unknown": [1, {"y": 2}]}  # fmt: skip
+    for extra in ({"temperature": 0}, {"temperature": 1.5, "top_k": 1, "seed": 3}, {"temperature": 1.5, "min_p": 1.0},
+                  {**odd, "temperature": 0}, {**odd, "top_k": 1}):  # fmt: skip
+        st, body = s.request("POST", "/v1/completions", {**base, **extra})
+        assert st == 200, (extra, body)
+        want = greedy[: greedy.index(2)] if 2 in greedy else greedy  # EOS (2) ends it, unshown
+        assert _ids_of(body["choices"][0]["text"]) == want, extra
+    for kw in (dict(typical_p=0.5), dict(eta_cutoff=0.05), dict(top_k=20, min_p=0.05, top_p=0.9)):
+        req = {**base, "max_tokens": 12, "temperature": 1.3, "seed": 17, "ignore_eos": True, **kw}
+        st, body = s.request("POST", "/v1/completions", req)
+        want = _by_hand(model, ids, 12, Sampler(True, temperature=1.3, seed=17, **kw))
+        assert st == 200 and _ids_of(body["choices"][0]["text"]) == want, (kw, body)
+        assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 12
+    assert 2 not in greedy[:4], greedy  # (the fixture: no EOS early, so a stop token is what ends the answer)
+    stop_at = greedy[3]
+    st, body = s.request("POST", "/v1/completions", {**base, "temperature": 0, "stop_token_ids": [stop_at]})
+    got = greedy[: greedy.index(stop_at)]
+    assert st == 200 and _ids_of(body["choices"][0]["text"]) == got, body
+    assert body["choices"][0]["finish_reason"] == "stop" and body["usage"]["completion_tokens"] == len(got) + 1
+    assert s.output().count("ignoring the unknown request field 'x_unknown'") == 1  # logged once, asked twice
+    # refused, naming the field: what this server cannot honour
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    for field, value in (("n", 2), ("n", True), ("logprobs", True), ("top_logprobs", 3), ("tools", []),
+                         ("response_format", {"type": "json_object"}), ("logit_bias", {"5": 1}),
+                         ("presence_penalty", 0.5), ("repetition_penalty", 1.2), ("guided_json", {}),
+                         ("tool_choice", "required")):  # fmt: skip
+        st, body = s.request("POST", "/v1/chat/completions", {**chat, field: value})
+        assert st == 400 and body["error"]["param"] == field and field in body["error"]["message"], (field, body)
+    assert s.request("GET", "/health")[1]["status"] == "ok"
 
 
 def test_hostile_requests_leave_the_ranks_alone(tiny_server):

@@ -47,13 +47,14 @@ class Layout(_Settings):
 @dataclass(frozen=True)
 class Sampling(_Settings):
     """The next-token rule: greedy, or a draw through transformers' warpers in its order
-    (temperature, top-k, top-p, typical-p, eta) from one generator seeded with ``seed``."""
+    (temperature, top-k, top-p, min-p, typical-p, eta) from one generator seeded with ``seed``."""
 
     do_sample: bool = setting(False, "sample instead of greedy", flag="--sample")
     temperature: float = setting(1.0, "with --sample: the softmax temperature (0: greedy, as in OpenAI's API)", low=0)
     top_k: int | None = setting(None, "sample from the k likeliest tokens (None or 0: off); with "
                                 "--penalty-alpha: the contrastive candidates", low=0, zero_is_none=True)  # fmt: skip
     top_p: float | None = setting(None, "with --sample: nucleus sampling, in (0, 1]", low=0, high=1, open_low=True)
+    min_p: float | None = setting(None, "with --sample: min-p sampling, in [0, 1] (None or 0: off)", low=0, high=1)
     typical_p: float | None = setting(None, "with --sample: typical sampling, in (0, 1]", low=0, high=1,
                                       open_low=True)  # fmt: skip
     eta_cutoff: float | None = setting(None, "with --sample: eta sampling's cutoff, in [0, 1) (None or 0: "

@@ -68,6 +68,7 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
     typical_p: float | None = None,
     eta_cutoff: float | None = None,
     seed: int = 0,
@@ -110,7 +111,7 @@ def generate(
         max_new_tokens: the most tokens to generate per sequence.
         placement, block: KV placement (see :class:`treeattn.cache.ShardedKVCache`; block None: as
             :class:`treeattn.hf.Session`).
-        do_sample, temperature, top_k, top_p, typical_p, eta_cutoff: sampling through
+        do_sample, temperature, top_k, top_p, min_p, typical_p, eta_cutoff: sampling through
             transformers' own logits warpers; one generator seeded with ``seed`` on every
             rank, so every rank draws the same token.
         stop_at_eos: stop a sequence at its first EOS token (as ``model.generate``): later
@@ -168,7 +169,7 @@ def generate(
     try:  # local checks; the verdict is shared below so a bad argument on one rank fails all
         layout = Layout(placement=placement, block=block, attention=attention, strategy=strategy, prefill=prefill,
                         prefill_chunk=prefill_chunk, cuda_graph=cuda_graph)  # fmt: skip
-        sampling = Sampling(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+        sampling = Sampling(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                             typical_p=typical_p, eta_cutoff=eta_cutoff, seed=seed)  # fmt: skip
         spec_set = Speculation(speculate=speculate, num_draft_tokens=num_draft_tokens, tree_width=tree_width,
                                adaptive_draft=adaptive_draft)  # fmt: skip
@@ -196,7 +197,7 @@ def generate(
         contrast = _check_contrastive(penalty_alpha, top_k, do_sample, speculate, input_ids.shape[0],
                                       model.config.vocab_size)  # fmt: skip
         sampler = Sampler(do_sample, temperature=sampling.temperature, top_k=top_k, top_p=sampling.top_p,
-                          typical_p=sampling.typical_p, eta_cutoff=sampling.eta_cutoff, seed=seed,
+                          typical_p=sampling.typical_p, eta_cutoff=sampling.eta_cutoff, seed=seed, min_p=sampling.min_p,
                           device=input_ids.device)  # fmt: skip
     except ValueError as e:
         err = str(e)

@@ -8,6 +8,7 @@ from torch import Tensor
 from transformers import LogitsProcessorList
 from transformers.generation.logits_process import (
     EtaLogitsWarper,
+    MinPLogitsWarper,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -33,16 +34,16 @@ class Sampler:
     transformers) or a draw from the softmax of the warped float32 logits (``sample`` True).
 
     The warpers are transformers' own, in the order its ``generate`` applies them: temperature
-    (> 0), top-k (``None``/0: off), top-p in (0, 1], typical-p in (0, 1], eta cutoff
-    (``None``/0: off); none needs the token history. Draws come from one ``torch.Generator``
+    (> 0), top-k (``None``/0: off), top-p in (0, 1], min-p in [0, 1] (``None``/0: off), typical-p
+    in (0, 1], eta cutoff (``None``/0: off); none needs the token history. Draws come from one ``torch.Generator``
     on ``device`` seeded with ``seed``: equal parameters, seeds and logits give equal tokens,
     whatever else runs in the process. Raises ValueError for a parameter out of its range
-    (top_p, typical_p outside (0, 1]; the others as transformers' warpers do).
+    (top_p, typical_p outside (0, 1], min_p outside [0, 1]; the others as transformers' warpers do).
     """
 
     def __init__(self, sample: bool = False, *, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, typical_p: float | None = None, eta_cutoff: float | None = None,
-                 seed: int = 0, device: torch.device | str | None = None) -> None:  # fmt: skip
+                 seed: int = 0, min_p: float | None = None, device: torch.device | str | None = None) -> None:  # fmt: skip
         self.sample = sample
         self.gen = torch.Generator(device=device or "cpu").manual_seed(seed)
         w = self.warpers = LogitsProcessorList()
@@ -50,6 +51,8 @@ class Sampler:
             for name, x in (("top_p", top_p), ("typical_p", typical_p)):
                 if x is not None and not 0 < x <= 1:  # transformers' warpers never see 1 or more
                     raise ValueError(f"{name} must be a float in (0, 1], got {x!r}")
+            if min_p is not None and not 0 <= min_p <= 1:
+                raise ValueError(f"min_p must be a float in [0, 1], got {min_p!r}")
             if 0 < temperature < _SHIFT_BELOW:
                 w.append(_ShiftedTemperature(temperature))
             elif temperature != 1.0:
@@ -58,6 +61,8 @@ class Sampler:
                 w.append(TopKLogitsWarper(top_k))
             if top_p is not None and top_p < 1.0:
                 w.append(TopPLogitsWarper(top_p))
+            if min_p:
+                w.append(MinPLogitsWarper(min_p))
             if typical_p is not None and typical_p < 1.0:
                 w.append(TypicalLogitsWarper(typical_p))
             if eta_cutoff:

@@ -20,6 +20,12 @@ gets its 400 without touching the running one (and no value can overflow the int
 - integers must be JSON integers (not ``true``, ``"3"`` or ``1.5``); floats may be integers;
   booleans (``stream``, ``include_usage``) JSON booleans (not ``"yes"`` or ``1``). A
   completion takes one prompt (a list of prompts is a 400).
+- as vLLM's server: ``null`` is the field left out, and a field this server does not know is
+  ignored (logged once per name). A known field it cannot honour (``n`` > 1, ``logprobs``,
+  ``tools``, a ``response_format`` other than text, penalties, ``logit_bias``, ...:
+  :data:`NOT_HONOURED`) is a 400 that names it, unless it holds its no-op value.
+- vLLM's sampling extras ``top_k`` (-1 or 0: off), ``min_p``, ``typical_p``, ``eta_cutoff``,
+  ``stop_token_ids`` and ``ignore_eos`` are honoured, per request.
 
 A body that is not JSON, or nests too deeply to parse, is a 400 too; error bodies are ASCII
 JSON, so an odd character in a request never makes its error unprintable.
@@ -34,23 +40,16 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse, format_sse_event
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
 from starlette.exceptions import HTTPException
 
 from .request import Request as Job
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.body = status, {"message": message, "type": type, "param": param, "code": code}
+from .schema import CHARS_PER_POSITION, ApiError, ChatRequest, CompletionRequest, check_unknown
 
 
 class _ErrorJSON(JSONResponse):
@@ -63,97 +62,6 @@ class _ErrorJSON(JSONResponse):
 
 def _error(status: int, message: str, type: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
     return _ErrorJSON({"error": ApiError(status, message, type, param, code).body}, status_code=status)
-
-
-SEED_RANGE = (-(2**63), 2**63)  # a signed 64-bit integer; negative: the same 64 bits unsigned
-MAX_NEW_TOKENS = 2**31  # max_tokens / max_completion_tokens at most (then the model's positions)
-MAX_STOP_CHARS = 1024  # characters per stop string
-CHARS_PER_POSITION = 64  # a string prompt's characters per model position, at most (checked before tokenizing)
-
-
-def _unicode(s: str) -> str:
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"not valid Unicode: a lone surrogate at character {e.start}") from None
-    return s
-
-
-def _seed(v: int) -> int:
-    lo, hi = SEED_RANGE
-    if not lo <= v < hi:
-        raise ValueError("seed must be an integer in [-2**63, 2**63) (a signed 64-bit integer)")
-    return v
-
-
-def _either(one: str, many: str, what: str, nested: bool = True) -> Discriminator:
-    """A string or a list: the errors of the member the value's JSON type picks, no other's
-    (``nested`` False: a list of lists or strings is neither)."""
-
-    def pick(v):
-        if isinstance(v, list) and not nested and v and isinstance(v[0], list | str):
-            return None
-        return one if isinstance(v, str) else many if isinstance(v, list) else None
-
-    return Discriminator(pick, custom_error_type="union_type", custom_error_message=f"Input should be {what}")
-
-
-Text = Annotated[str, Field(strict=True), AfterValidator(_unicode)]
-Int = Annotated[int, Field(strict=True)]  # a JSON integer: not true, "3" or 1.5
-Bool = Annotated[bool, Field(strict=True)]  # a JSON true or false: not "yes" or 1
-Count = Annotated[int, Field(strict=True, ge=1, le=MAX_NEW_TOKENS)]
-Stop = Annotated[str, Field(strict=True, max_length=MAX_STOP_CHARS), AfterValidator(_unicode)]
-TokenId = Annotated[int, Field(strict=True, ge=0, lt=2**63)]  # then below the vocabulary (_ids)
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: Text
-
-
-class Message(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: Annotated[Annotated[Text, Tag("text")] | Annotated[list[TextPart], Tag("parts")],
-                       _either("text", "parts", "a string or a list of text parts")]  # fmt: skip
-    name: str | None = None
-
-
-class StreamOptions(_Strict):
-    include_usage: Bool = False
-
-
-class _Sampling(_Strict):
-    model: str
-    max_tokens: Count | None = None
-    temperature: Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0, le=2)] = 1.0
-    top_p: Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0, le=1)] = 1.0
-    seed: Annotated[Int, AfterValidator(_seed)] | None = None
-    stop: Annotated[Annotated[Stop, Tag("one")] | Annotated[list[Stop], Field(max_length=4), Tag("list")],
-                    _either("one", "list", "a string or a list of up to 4 strings")] | None = None  # fmt: skip
-    n: Literal[1] = 1
-    stream: Bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
-    frequency_penalty: Literal[0] = 0
-    presence_penalty: Literal[0] = 0
-
-
-class ChatRequest(_Sampling):
-    messages: Annotated[list[Message], Field(min_length=1)]
-    max_completion_tokens: Count | None = None
-    logprobs: Literal[False] = False
-
-
-class CompletionRequest(_Sampling):
-    prompt: Annotated[Annotated[Text, Tag("text")] | Annotated[list[TokenId], Field(min_length=1), Tag("ids")],
-                      _either("text", "ids", "a string or a list of token ids (one prompt a request: not a list "
-                              "of prompts)", nested=False)]  # fmt: skip
-    logprobs: None = None
-    echo: Literal[False] = False
 
 
 @dataclass
@@ -240,8 +148,15 @@ def _job(state: ServerState, body) -> Job:
         return tok.decode(t, skip_special_tokens=True) if tok is not None else "".join(f"<{i}>" for i in t)
 
     seed = None if body.seed is None else body.seed % 2**64  # negative: the same 64 bits, unsigned
+    vocab = min((v for v in (state.vocab, len(tok) if tok is not None else None) if v), default=2**63)
+    bad = next((i for i in body.stop_token_ids if i >= vocab), None)
+    if bad is not None:
+        raise ApiError(400, f"stop_token_ids must lie in [0, {vocab}), got {bad}", param="stop_token_ids")
+    eos = [] if body.ignore_eos else list(state.eos)
     return Job(ids, new, emit=None, decode=decode, temperature=body.temperature, top_p=body.top_p, seed=seed,
-               stop=[s for s in stop if s], eos=state.eos)  # fmt: skip
+               top_k=body.top_k if body.top_k > 0 else None, min_p=body.min_p or None, typical_p=body.typical_p,
+               eta_cutoff=body.eta_cutoff or None, stop=[s for s in stop if s],
+               eos=eos + [i for i in body.stop_token_ids if i not in eos])  # fmt: skip
 
 
 class _Auth:
@@ -313,6 +228,7 @@ def build_app(state: ServerState) -> FastAPI:
                            param="model", code="model_not_found")  # fmt: skip
         if state.failed is not None:
             raise ApiError(503, f"a rank is gone: {state.failed}", type="server_error", code="rank_failed")
+        check_unknown(body)
         job = _job(state, body)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         job.emit = lambda kind, data: loop.call_soon_threadsafe(events.put_nowait, (kind, data))

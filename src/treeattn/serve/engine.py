@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ..cache.placement import Placement
 from ..comm.collectives import CollectiveError, broadcast, world
 from ..comm.validate import agree
-from ..config import Layout, Serving
+from ..config import Layout, Sampling, Serving
 from ..hf._model import auto_block
 from ..hf.batch import BatchRunner
 from .plan import MAX_DRAFT, Plan
@@ -121,10 +121,11 @@ class Engine:
             raise BadRequest(f"the prompt plus max_tokens exceed the model's {self.runner.max_pos} positions")
         if req.seed is not None and not (isinstance(req.seed, int) and 0 <= req.seed < 2**64):
             raise BadRequest(f"the seed must be an integer in [0, 2**64), got {req.seed!r}")
-        if not 0 <= req.temperature < float("inf"):
-            raise BadRequest(f"temperature must be finite and >= 0, got {req.temperature!r}")
-        if req.top_p is not None and not 0 < req.top_p <= 1:
-            raise BadRequest(f"top_p must lie in (0, 1], got {req.top_p!r}")
+        try:  # the sampling parameters' ranges, written once
+            Sampling(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,
+                     typical_p=req.typical_p, eta_cutoff=req.eta_cutoff)  # fmt: skip
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
 
     # -- every rank --------------------------------------------------------------------
     def execute(self, p: Plan) -> torch.Tensor | None:

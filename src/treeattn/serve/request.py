@@ -25,6 +25,10 @@ class Request:
     temperature: float = 1.0
     top_p: float | None = None
     seed: int | None = None
+    top_k: int | None = None  # the further warpers, as :class:`~treeattn.hf.sampler.Sampler` applies them
+    min_p: float | None = None
+    typical_p: float | None = None
+    eta_cutoff: float | None = None
     stop: list[str] = field(default_factory=list)
     eos: list[int] = field(default_factory=list)
     cancelled: threading.Event = field(default_factory=threading.Event)

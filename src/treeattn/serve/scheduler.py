@@ -172,7 +172,8 @@ class Scheduler:
         step = e.join_step
         job.todo += [("join", ids[a : a + step]) for a in range(keep, L, step)]
         seed = req.seed if req.seed is not None else random.getrandbits(62)
-        job.sampler = Sampler(req.temperature > 0, temperature=req.temperature, top_p=req.top_p, seed=seed,
+        job.sampler = Sampler(req.temperature > 0, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                              min_p=req.min_p, typical_p=req.typical_p, eta_cutoff=req.eta_cutoff, seed=seed,
                               device=r.device)  # fmt: skip  # temperature 0: greedy, as in OpenAI's API
         self.jobs.append(job)
         st = e.stats
