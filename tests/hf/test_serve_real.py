@@ -67,6 +67,36 @@ def test_chat_equals_treeattn_generate(server, client):
     assert plain.choices[0].text and plain.usage.prompt_tokens == 5
 
 
+def test_chat_logprobs_match_transformers(server, client, smol):
+    """``logprobs`` / ``top_logprobs`` through the official client, streamed and not: each
+    token's logprob and its 2 likeliest alternatives within 1e-4 of transformers' log-softmax
+    on the same prefix (the real model in one process, float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    got = _ask(client, CHAT, max_tokens=6, logprobs=True, top_logprobs=2)
+    content = got.choices[0].logprobs.content
+    assert len(content) == got.usage.completion_tokens == 6
+    tok = AutoTokenizer.from_pretrained(smol["dir"])
+    model = AutoModelForCausalLM.from_pretrained(smol["dir"], dtype=torch.float32).eval()
+    ids = tok.apply_chat_template([{"role": "user", "content": CHAT}], add_generation_prompt=True)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    with torch.no_grad():
+        for c in content:
+            lsm = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+            t = int(lsm.argmax())
+            assert c.token == tok.decode([t]) and abs(c.logprob - float(lsm[t])) < 1e-4, (c, float(lsm[t]))
+            v, i = lsm.topk(2)
+            assert [a.token for a in c.top_logprobs] == [tok.decode([x]) for x in i.tolist()]
+            assert all(abs(a.logprob - y) < 1e-4 for a, y in zip(c.top_logprobs, v.tolist(), strict=True))
+            assert c.bytes == list(c.token.encode())
+            ids.append(t)
+    chunks = list(_ask(client, CHAT, max_tokens=6, logprobs=True, top_logprobs=2, stream=True))
+    streamed = [x for ch in chunks if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.content]
+    assert [(x.token, x.logprob) for x in streamed] == [(x.token, x.logprob) for x in content]
+    assert _ask(client, CHAT, max_tokens=2).choices[0].logprobs is None
+
+
 def test_second_question_reuses_the_document(server, client, smol_doc):
     d = smol_doc
     outs = []
@@ -196,7 +226,10 @@ def test_client_hangs_up_on_a_whole_answer(server):
         ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p"),
         ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9000}, 400, "8192 positions"),
         ({"model": NAME, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
-        ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs"),
+        ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400,
+         "top_logprobs"),
+        ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "needs logprobs"),
+        ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n = 2"),
         ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "tools": []}, 400, "tools"),
         ({"model": NAME, "prompt": [49152]}, 400, "[0, 49152)"),
         ({"model": NAME, "prompt": [[1, 2], [3, 4]]}, 400, "not a list of prompts"),

@@ -462,14 +462,13 @@ def _hostile() -> list[tuple[str, str, dict | bytes]]:
         "ignore_eos": ["yes", 1],
         "tools": [[{"type": "function", "function": {"name": "f"}}]],
         "response_format": [{"type": "json_schema", "json_schema": {"$ref": "#"}}, "json"],
-        "top_logprobs": [5, 2**80],
         "echo": [True],
         "best_of": [3],
         "stop": [5, ["a"] * 5, "x" * 5000, ["\ud800"], [None]],
         "prompt": prompts,
         "model": ["nope", "\u202e", "\ud800", 5, None],
         "stream": ["maybe", [1], "yes", 1],
-        "logprobs": [5],
+        "logprobs": [[5], 21, -1, 2**80, "3", True],
         "\ud800": [1],  # an unknown field whose name is not valid Unicode
     }.items():
         for v in values:
@@ -546,13 +545,53 @@ def test_lenient_requests_and_sampling_extras(tiny_server):
     assert s.output().count("ignoring the unknown request field 'x_unknown'") == 1  # logged once, asked twice
     # refused, naming the field: what this server cannot honour
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
-    for field, value in (("n", 2), ("n", True), ("logprobs", True), ("top_logprobs", 3), ("tools", []),
+    for field, value in (("n", 2), ("n", True), ("top_logprobs", 3), ("tools", []),
                          ("response_format", {"type": "json_object"}), ("logit_bias", {"5": 1}),
                          ("presence_penalty", 0.5), ("repetition_penalty", 1.2), ("guided_json", {}),
                          ("tool_choice", "required")):  # fmt: skip
         st, body = s.request("POST", "/v1/chat/completions", {**chat, field: value})
         assert st == 400 and body["error"]["param"] == field and field in body["error"]["message"], (field, body)
     assert s.request("GET", "/health")[1]["status"] == "ok"
+
+
+def _log_softmax_steps(model, ids: list[int], toks: list[int]) -> list[torch.Tensor]:
+    """transformers' log-softmax at each of ``toks`` (one full forward per token, float32)."""
+    out = []
+    with torch.no_grad():
+        for i in range(len(toks)):
+            out.append(torch.log_softmax(model(torch.tensor([ids + toks[:i]])).logits[0, -1].float(), -1))
+    return out
+
+
+def test_completion_logprobs_match_transformers(tiny_server):
+    """``logprobs: k`` on /v1/completions (through the prompt-lookup drafts the tiny server
+    verifies, so several positions of one step report): every token's logprob and its k
+    likeliest alternatives within 1e-4 of transformers' log-softmax on the same prefix, text
+    offsets adding up, the streamed entries the same as the whole answer's."""
+    s = tiny_server
+    model = _model()
+    ids = [21, 22, 23, 21, 22, 23, 21, 22]  # a repeat, so prompt lookup drafts
+    req = {"model": MODEL, "prompt": ids, "max_tokens": 9, "temperature": 0, "logprobs": 3, "ignore_eos": True}
+    st, body = s.request("POST", "/v1/completions", req)
+    assert st == 200, body
+    lp = body["choices"][0]["logprobs"]
+    toks = _ids_of("".join(lp["tokens"]))
+    assert toks == _ids_of(body["choices"][0]["text"]) and len(toks) == 9
+    for t, got, top, lsm in zip(toks, lp["token_logprobs"], lp["top_logprobs"], _log_softmax_steps(model, ids, toks),
+                                strict=True):  # fmt: skip
+        assert abs(got - float(lsm[t])) < 1e-4
+        v, i = lsm.topk(3)
+        assert list(top) == [f"<{x}>" for x in i.tolist()] and all(abs(top[f"<{x}>"] - y) < 1e-4 for x, y in
+                                                                   zip(i.tolist(), v.tolist(), strict=True))  # fmt: skip
+    assert lp["text_offset"] == [sum(len(x) for x in lp["tokens"][:k]) for k in range(9)]
+    ev = [e for e in s.events("/v1/completions", {**req, "stream": True}) if e != "[DONE]"]
+    streamed = [x for e in ev if e["choices"] and e["choices"][0]["logprobs"] for x in e["choices"][0]["logprobs"]["tokens"]]
+    assert streamed == lp["tokens"]
+    st, body = s.request("POST", "/v1/completions", {**req, "logprobs": 0})
+    assert st == 200 and body["choices"][0]["logprobs"]["top_logprobs"] is None
+    assert s.request("POST", "/v1/completions", {**req, "logprobs": None})[1]["choices"][0]["logprobs"] is None
+    st, body = s.request("POST", "/v1/completions", {**req, "logprobs": 21})
+    assert st == 400 and "logprobs" in body["error"]["message"]
 
 
 def test_hostile_requests_leave_the_ranks_alone(tiny_server):

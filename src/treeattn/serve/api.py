@@ -48,6 +48,7 @@ from fastapi.responses import JSONResponse
 from fastapi.sse import EventSourceResponse, format_sse_event
 from starlette.exceptions import HTTPException
 
+from . import logprobs as LP
 from .request import Request as Job
 from .schema import CHARS_PER_POSITION, ApiError, ChatRequest, CompletionRequest, check_unknown
 
@@ -125,8 +126,17 @@ def _ids(state: ServerState, body) -> list[int]:
     return ids
 
 
+def _token_name(state: ServerState):
+    """A token id -> its text (special tokens too; ``<id>`` without a tokenizer)."""
+    tok = state.tokenizer
+    if tok is None:
+        return lambda i: f"<{i}>"
+    return lambda i: tok.decode([i], skip_special_tokens=False)
+
+
 def _job(state: ServerState, body) -> Job:
     """The engine's request for ``body``, every value in range (the module's docstring)."""
+    logprobs = body.logprob_count()
     ids = _ids(state, body)
     if not ids:
         raise ApiError(400, "the prompt is empty", param="messages" if isinstance(body, ChatRequest) else "prompt")
@@ -155,7 +165,7 @@ def _job(state: ServerState, body) -> Job:
     eos = [] if body.ignore_eos else list(state.eos)
     return Job(ids, new, emit=None, decode=decode, temperature=body.temperature, top_p=body.top_p, seed=seed,
                top_k=body.top_k if body.top_k > 0 else None, min_p=body.min_p or None, typical_p=body.typical_p,
-               eta_cutoff=body.eta_cutoff or None, stop=[s for s in stop if s],
+               eta_cutoff=body.eta_cutoff or None, logprobs=logprobs, stop=[s for s in stop if s],
                eos=eos + [i for i in body.stop_token_ids if i not in eos])  # fmt: skip
 
 
@@ -240,10 +250,11 @@ def build_app(state: ServerState) -> FastAPI:
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": state.model_name}  # fmt: skip
+        lp = None if job.logprobs is None else (_token_name(state), job.logprobs)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EventSourceResponse(_stream(job, events, head, chat, usage))
-        return await _whole(job, events, request, head, chat)
+            return EventSourceResponse(_stream(job, events, head, chat, usage, lp))
+        return await _whole(job, events, request, head, chat, lp)
 
     return app
 
@@ -277,30 +288,44 @@ def _fail(status: int, msg: str) -> dict:
     return ApiError(status, msg, type="server_error" if status >= 500 else "invalid_request_error").body
 
 
-async def _whole(job: Job, events: asyncio.Queue, request: Request, head: dict, chat: bool):
-    parts, seen = [], [time.monotonic()]
+def _logprobs(lp, entries: list, chat: bool, offset: int) -> dict | None:
+    """A choice's ``logprobs`` (None when not asked for)."""
+    if lp is None:
+        return None
+    name, top = lp
+    return LP.chat(entries, name) if chat else LP.completion(entries, name, offset, top)
+
+
+async def _whole(job: Job, events: asyncio.Queue, request: Request, head: dict, chat: bool, lp=None):
+    parts, seen, entries = [], [time.monotonic()], []
     while True:
         kind, data = await _next(events, job, request, seen)
-        if kind == "text":
+        if kind == "logprobs":
+            entries += data
+        elif kind == "text":
             parts.append(data)
         elif kind == "error":
             return _ErrorJSON({"error": _fail(*data)}, status_code=data[0])
         elif kind == "end":
             text = "".join(parts)
-            choice = {"index": 0, "finish_reason": data["finish_reason"], "logprobs": None}
+            choice = {"index": 0, "finish_reason": data["finish_reason"], "logprobs": _logprobs(lp, entries, chat, 0)}
             choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
             return {**head, "choices": [choice], "usage": _usage(data)}
 
 
-async def _stream(job: Job, events: asyncio.Queue, head: dict, chat: bool, usage: bool):
+async def _stream(job: Job, events: asyncio.Queue, head: dict, chat: bool, usage: bool, lp=None):
     head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+    pending, sent = [], [0]  # logprob entries for the next chunk; characters sent
 
     def chunk(text: str | None, finish: str | None, first: bool = False) -> bytes:
+        lps = _logprobs(lp, pending, chat, sent[0]) if pending or (lp is not None and text) else None
+        pending.clear()
+        sent[0] += len(text or "")
         if chat:
             delta = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
-            c = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            c = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lps}
         else:
-            c = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            c = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": lps}
         return _sse({**head, "choices": [c], **({"usage": None} if usage else {})})
 
     try:
@@ -309,6 +334,8 @@ async def _stream(job: Job, events: asyncio.Queue, head: dict, chat: bool, usage
             if kind == "start":
                 if chat:
                     yield chunk(None, None, first=True)
+            elif kind == "logprobs":
+                pending.extend(data)
             elif kind == "text":
                 yield chunk(data, None)
             elif kind == "error":

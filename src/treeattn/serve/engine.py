@@ -31,6 +31,7 @@ from .request import BadRequest, Request
 from .scheduler import Scheduler
 
 IDLE, RUN, STOP = 0, 1, 2
+MAX_LOGPROBS = 20  # most likely alternatives per token a request may ask for (OpenAI's top_logprobs limit)
 __all__ = ["BadRequest", "Engine", "RankFailure", "Request"]
 
 
@@ -121,6 +122,8 @@ class Engine:
             raise BadRequest(f"the prompt plus max_tokens exceed the model's {self.runner.max_pos} positions")
         if req.seed is not None and not (isinstance(req.seed, int) and 0 <= req.seed < 2**64):
             raise BadRequest(f"the seed must be an integer in [0, 2**64), got {req.seed!r}")
+        if req.logprobs is not None and not (type(req.logprobs) is int and 0 <= req.logprobs <= MAX_LOGPROBS):
+            raise BadRequest(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {req.logprobs!r}")
         try:  # the sampling parameters' ranges, written once
             Sampling(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p,
                      typical_p=req.typical_p, eta_cutoff=req.eta_cutoff)  # fmt: skip

@@ -16,7 +16,12 @@ class BadRequest(ValueError):
 class Request:
     """One generation, as rank 0 sees it. ``emit`` receives the events (called from the
     engine's thread): ``("start", {"prompt_tokens", "cached_tokens"})``, ``("text", str)``,
-    ``("end", {"finish_reason", "completion_tokens", ...})`` or ``("error", (status, message))``."""
+    ``("end", {"finish_reason", "completion_tokens", ...})`` or ``("error", (status, message))``;
+    with ``logprobs`` (the number of most likely alternatives per token, 0 or more; None: off)
+    also ``("logprobs", [(token, logprob, [(alternative, logprob), ...]), ...])`` before the
+    text event its tokens belong to (the rest before ``end``): natural-log probabilities under
+    the model's own distribution (its log-softmax, before any sampling warper), one entry per
+    completion token, EOS included."""
 
     ids: list[int]
     max_tokens: int
@@ -29,6 +34,7 @@ class Request:
     min_p: float | None = None
     typical_p: float | None = None
     eta_cutoff: float | None = None
+    logprobs: int | None = None
     stop: list[str] = field(default_factory=list)
     eos: list[int] = field(default_factory=list)
     cancelled: threading.Event = field(default_factory=threading.Event)

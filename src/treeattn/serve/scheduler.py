@@ -57,11 +57,15 @@ class Job:
     drafts: RowDrafts | None = None  # with speculation
     draft: list[int] = field(default_factory=list)  # drafted after ``last`` in the running step
     kind: int = 0  # how far back that draft's match agrees (prompt lookup's evidence)
+    lps: list = field(default_factory=list)  # logprob entries not sent yet
 
-    def take(self, tok: int) -> None:
-        """Append a sampled token; decide whether the request ends; send what text may go."""
+    def take(self, tok: int, logits=None) -> None:
+        """Append a sampled token (``logits`` ``[V]``: the distribution it was chosen from, for
+        its logprobs); decide whether the request ends; send what text may go."""
         req = self.req
         self.out.append(tok)
+        if req.logprobs is not None and logits is not None:
+            self.lps.append(logprob_entry(logits, tok, req.logprobs))
         finish = None
         if tok in req.eos:
             finish = "stop"
@@ -75,10 +79,24 @@ class Job:
         if finish is None and req.cancelled.is_set():
             finish = "cancelled"
         safe = text if finish else safe_prefix(text, req.stop)
+        if self.lps and (len(safe) > len(self.sent) or finish):
+            req.emit("logprobs", self.lps)
+            self.lps = []
         if len(safe) > len(self.sent):
             req.emit("text", safe[len(self.sent) :])
             self.sent = safe
         self.finish, self.last = finish, tok
+
+
+def logprob_entry(logits, tok: int, top: int) -> tuple:
+    """(tok, its log-probability, the ``top`` likeliest tokens with theirs) under the
+    log-softmax of ``logits`` ``[V]`` (float32)."""
+    lsm = torch.log_softmax(logits.float(), -1)
+    alt = []
+    if top:
+        v, i = lsm.topk(min(top, lsm.shape[-1]))
+        alt = list(zip(i.tolist(), v.tolist(), strict=True))
+    return tok, float(lsm[tok]), alt
 
 
 class Scheduler:
@@ -271,8 +289,8 @@ class Scheduler:
                 j.drafts.observe(j.kind, len(draft), len(toks) - 1)
                 st["draft_tokens_offered"] += len(draft)
                 st["draft_tokens_accepted"] += len(toks) - 1
-            for t in toks:
-                j.take(t)
+            for i, t in enumerate(toks):
+                j.take(t, logits[i])
                 st["decode_tokens"] += decoding
                 if j.finish is not None:
                     break

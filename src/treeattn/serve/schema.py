@@ -66,7 +66,7 @@ _logged: set[str] = set()  # unknown field names already logged
 # known fields this server cannot honour -> their no-op values (what they may hold); any other
 # value is a 400 naming the field. Types count: true is not 1.
 NOT_HONOURED: dict[str, tuple] = {
-    "n": (1,), "best_of": (1,), "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "suffix": ("",),
+    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",),
     "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
     "logit_bias": ({},), "tools": (), "functions": (), "function_call": ("none",), "tool_choice": ("none", "auto"),
     "response_format": ({"type": "text"},), "audio": (), "modalities": (["text"],), "prediction": (),
@@ -132,15 +132,30 @@ class _Sampling(_Lenient):
     stream_options: StreamOptions | None = None
 
 
+TopLogprobs = Annotated[Int, Field(ge=0, le=20)]  # OpenAI's limit (engine.MAX_LOGPROBS)
+
+
 class ChatRequest(_Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Count | None = None
+    logprobs: Bool = False
+    top_logprobs: TopLogprobs | None = None
+
+    def logprob_count(self) -> int | None:
+        """The alternatives per token to report (None: no logprobs)."""
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Sampling):
     prompt: Annotated[Annotated[Text, Tag("text")] | Annotated[list[TokenId], Field(min_length=1), Tag("ids")],
                       _either("text", "ids", "a string or a list of token ids (one prompt a request: not a list "
                               "of prompts)", nested=False)]  # fmt: skip
+    logprobs: TopLogprobs | None = None
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
 
 def check_unknown(body: BaseModel, where: str = "") -> None:
