@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ..cache import ShardedKVCache
 from ..comm.collectives import all_reduce, world
+from ..parallel.tensor import sharded_tokens
 from . import _graph
 from ._model import cache_kw, lm_logits, prefill_windows
 from .attention import AttnSwitch, StepContext, TreeAttnCache
@@ -100,7 +101,8 @@ class Forwards:
                               positions=[torch.cat([o, x[:j]]) for o, x, j in zip(old, new, b, strict=True)],
                               q_positions=q_pos, n_real=n, start=base + a[rank])  # fmt: skip
             pos = q_pos[rank] if n else torch.full((1,), L0, dtype=torch.int64)  # a placeholder keeps the model happy
-            hidden = self._run(ctx, ids[:, (pos - L0).to(ids.device)], pos[None, :].expand(B, -1))
+            with sharded_tokens([max(1, len(x)) for x in q_pos]):  # each rank its own tokens (tensor parallel layers)
+                hidden = self._run(ctx, ids[:, (pos - L0).to(ids.device)], pos[None, :].expand(B, -1))
             if hidden_store is not None and n:
                 hidden_store.store_block(base + a[rank], hidden[:, :n])
             if last is None:

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import torch
 
+from ..comm.collectives import world
 from ..comm.validate import agree
 from ..config import ATTENTIONS, PREFILLS, Layout
 from ._model import model_problem
+from .tensor_parallel import tensor_parallel_ranks
 
 __all__ = ["ATTENTIONS", "PREFILLS", "agree_settings"]
 
@@ -32,6 +34,10 @@ def agree_settings(model: torch.nn.Module, group, *, max_length: int | None, **l
                 f"got {max_length!r}"
             )
         limit = max_length or max_pos
+        tp, p = tensor_parallel_ranks(model), world(group)[1]
+        if tp not in (1, p):
+            raise ValueError(f"the model's weights are split over {tp} ranks (tensor_parallel), but the group has {p}: "
+                             "split it over the session's group")  # fmt: skip
     except (ValueError, TypeError) as e:
         err = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
     cfg = model.config if err is None else None
@@ -41,6 +47,7 @@ def agree_settings(model: torch.nn.Module, group, *, max_length: int | None, **l
         "num_hidden_layers": cfg.num_hidden_layers if cfg else -1,
         "vocab_size": cfg.vocab_size if cfg else -1,
         "hidden_size": cfg.hidden_size if cfg else -1,
+        "tensor parallel ranks": tensor_parallel_ranks(model),
     }
     agree(fields, err, group=group)
     return lay, limit

@@ -1,0 +1,144 @@
+"""Tensor parallelism applied from outside a model (gpt-fast's ``tp.py``, Megatron's layers):
+a linear layer's weight split over the ranks of a group by output rows (column parallel: each
+rank computes its slice of the outputs) or by input columns (row parallel: each rank
+multiplies its slice of the inputs, then one all-reduce sums the partial outputs).
+
+Two kinds of forward. When every rank runs the same tokens (a decode step, a token tree, the
+server's batched rows) the activations are replicated: column parallel needs no
+communication and row parallel one all-reduce. When each rank runs tokens of its own (the
+sequence-sharded prefill, announced by :func:`sharded_tokens`), a layer that needs every
+token's inputs first all-gathers them (Megatron's sequence parallelism), and a row-parallel
+layer keeps its own tokens' rows of the summed output.
+
+The all-reduce is :func:`treeattn.comm.collectives.all_reduce`: for a decode step's few rows
+through /dev/shm on one host, summed in rank order on every rank; either way every rank holds
+the same bits, so a run's tokens do not depend on timing. A row-parallel layer's bias is added
+once, after the sum. Every rank must run every forward alike (treeattn's ranks run in lockstep).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextvars import ContextVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..comm.collectives import all_gather, all_reduce, world
+
+# (tokens per rank, gathered inputs by Tokens) of the sequence-sharded forward running, or None
+_SHARDED: ContextVar[tuple[tuple[int, ...], dict] | None] = ContextVar("treeattn_sharded_tokens", default=None)
+
+
+@contextlib.contextmanager
+def sharded_tokens(counts: list[int]):
+    """The forwards inside run ``counts[r]`` tokens (dimension -2 of the activations) on rank
+    ``r``, each rank its own: tensor-parallel layers gather and scatter tokens across ranks."""
+    tok = _SHARDED.set((tuple(int(n) for n in counts), {}))
+    try:
+        yield
+    finally:
+        _SHARDED.reset(tok)  # the gathered inputs go with it
+
+
+def split(n: int, rank: int, p: int, unit: int = 1) -> tuple[int, int]:
+    """Rank ``rank``'s share ``[lo, hi)`` of ``n`` items in groups of ``unit`` (``n % unit ==
+    0``) over ``p`` ranks: contiguous, the first ``(n / unit) % p`` ranks one group more."""
+    q, r = divmod(n // unit, p)
+    lo = rank * q + min(rank, r)
+    return lo * unit, (lo + q + (rank < r)) * unit
+
+
+def _own(t: Tensor) -> nn.Parameter:
+    return nn.Parameter(t.detach().clone().contiguous(), requires_grad=False)  # the whole weight can go
+
+
+def _linear(w: Tensor) -> nn.Linear:
+    m = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+    m.weight = _own(w)
+    return m
+
+
+class Tokens:
+    """Every rank's tokens of a sequence-sharded forward, gathered: shared by the layers that
+    read one input (a gated MLP's gate and up projections), gathered once per forward."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+
+    def all(self, x: Tensor, sharded: tuple) -> Tensor:
+        """``x [..., counts[rank], C]`` -> ``[..., sum(counts), C]`` (rank order)."""
+        counts, memo = sharded
+        hit = memo.get(id(self))
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        n = max(counts)
+        pad = x if x.shape[-2] == n else torch.cat([x, x.new_zeros(*x.shape[:-2], n - x.shape[-2], x.shape[-1])], -2)
+        g = all_gather(pad.contiguous(), self.group)  # [p, ..., n, C]
+        out = torch.cat([g[r, ..., :c, :] for r, c in enumerate(counts)], -2)
+        memo[id(self)] = (x, out)
+        return out
+
+
+class ColumnParallel(nn.Module):
+    """Output rows ``[lo, hi)`` of ``linear`` on this rank (no communication, but the gather of
+    a sequence-sharded forward's tokens)."""
+
+    def __init__(self, linear: nn.Linear, lo: int, hi: int, tokens: Tokens) -> None:
+        super().__init__()
+        self.lo, self.hi, self.tokens = lo, hi, tokens
+        self.in_features, self.out_features, self.whole = linear.in_features, hi - lo, linear.out_features
+        self.inner = _linear(linear.weight[lo:hi])
+        self.bias = None if linear.bias is None else _own(linear.bias[lo:hi])
+
+    def forward(self, x: Tensor) -> Tensor:
+        sharded = _SHARDED.get()
+        if sharded is not None:
+            x = self.tokens.all(x, sharded)
+        y = self.inner(x)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features} (rows {self.lo}:{self.hi} of {self.whole})"
+
+
+class RowParallel(nn.Module):
+    """Input columns ``[lo, hi)`` of ``linear`` on this rank: ``inner`` multiplies them (taken
+    from a whole input when ``sliced``; else the input is this rank's slice already, from a
+    column-parallel layer), one all-reduce over ``group`` sums the ranks' products, then the bias."""
+
+    def __init__(self, linear: nn.Linear, lo: int, hi: int, group: dist.ProcessGroup | None, sliced: bool,
+                 tokens: Tokens | None = None) -> None:  # fmt: skip
+        super().__init__()
+        self.lo, self.hi, self.sliced, self.group = lo, hi, sliced, group
+        self.tokens = tokens or Tokens(group)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.inner = _linear(linear.weight[:, lo:hi])
+        self.bias = None if linear.bias is None else _own(linear.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        sharded = _SHARDED.get()
+        if sharded is not None and self.sliced:  # every rank's tokens, this rank's columns
+            x = self.tokens.all(x, sharded)
+        if self.sliced:
+            x = x[..., self.lo : self.hi]
+        y = all_reduce(self.inner(x).contiguous(), dist.ReduceOp.SUM, self.group)
+        if sharded is not None:  # this rank's tokens of the sum
+            counts, rank = sharded[0], world(self.group)[0]
+            a = sum(counts[:rank])
+            y = y[..., a : a + counts[rank], :]
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features} (columns {self.lo}:{self.hi} here), out_features={self.out_features}"
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s parameters on this rank (each tensor once)."""
+    seen, n = set(), 0
+    for t in module.parameters():
+        if id(t) not in seen:
+            seen.add(id(t))
+            n += t.numel() * t.element_size()
+    return n

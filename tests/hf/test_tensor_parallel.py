@@ -1,0 +1,87 @@
+"""Weights split over the ranks (treeattn.hf.tensor_parallel: the MLP and the attention output
+projection, Megatron's column / row parallel) beside the sequence split of the KV cache: at p =
+2, 3, 4 on tiny Llama, Qwen2, Mistral (sliding window) and Gemma-2 (softcaps) models, greedy
+tokens identical to single-process transformers, Tree and Ring, both placements, chunked
+prefill, packed linears; last-step logits within 2x single-process float32's error against
+float64; each rank holding its share of the split weights; a Session over another group and
+a model split twice refused on every rank."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("transformers")
+
+from treeattn.launch import launch  # noqa: E402
+
+NEW = 12
+
+
+def tiny(kind: str):
+    from treeattn.hf.presets import build_model
+
+    return build_model(f"tiny-{kind}", None, torch.float32, seed=0)[0]
+
+
+def reference_tokens(model, ids, new=NEW):
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)  # fmt: skip
+    return out[:, ids.shape[1] :]
+
+
+def tp_worker() -> None:
+    from treeattn.comm.collectives import all_gather
+    from treeattn.hf import generate
+    from treeattn.hf.linear import pack_linears
+    from treeattn.hf.tensor_parallel import tensor_parallel, tensor_parallel_ranks
+    from treeattn.parallel.tensor import RowParallel
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    cases = [("llama", "interleaved", "tree", None), ("qwen2", "contiguous", "ring", None),
+             ("mistral", "interleaved", "tree", 16), ("gemma2", "contiguous", "tree", None),
+             ("llama", "contiguous", "ring", 16)]  # fmt: skip
+    for i, (kind, placement, attention, chunk) in enumerate(cases):
+        whole = tiny(kind)
+        ref64 = copy.deepcopy(whole).double()
+        m = tensor_parallel(copy.deepcopy(whole))
+        assert tensor_parallel_ranks(m) == p
+        if i == 0:  # the split weights: this rank's share, and together the whole
+            layer, full = m.model.layers[0], whole.model.layers[0]
+            rows = all_gather(torch.tensor([layer.mlp.gate_proj.out_features]), None)
+            assert int(rows.sum()) == full.mlp.gate_proj.out_features and rows.max() - rows.min() <= 1
+            assert isinstance(layer.self_attn.o_proj, RowParallel)
+            hd = full.self_attn.head_dim
+            assert (layer.self_attn.o_proj.hi - layer.self_attn.o_proj.lo) % hd == 0
+        if kind == "llama" and chunk:  # packed linears after the split (the row-parallel layers' inner too)
+            assert pack_linears(m) > 0
+            whole = copy.deepcopy(whole)
+            pack_linears(whole)
+        L = (37, 150, 61, 90, 150)[i]
+        ids = torch.randint(0, whole.config.vocab_size, (1, L), generator=torch.Generator().manual_seed(L))
+        info = {}
+        out = generate(m, ids, max_new_tokens=NEW, placement=placement, attention=attention, prefill_chunk=chunk,
+                       stop_at_eos=False, info=info)  # fmt: skip
+        case = f"p={p} {kind} {placement} {attention} chunk={chunk}"
+        ref = reference_tokens(whole, ids)
+        assert torch.equal(out, ref), f"{case}: {out.tolist()} != {ref.tolist()}"
+        full_ids = torch.cat([ids, out[:, :-1]], 1)
+        l64 = ref64(full_ids).logits[:, -1]
+        e_pt = (whole(full_ids).logits[:, -1].double() - l64).abs().max().item()
+        e_ours = (info["last_logits"].double() - l64).abs().max().item()
+        assert e_ours <= 2 * e_pt + 1e-5, f"{case}: logits err {e_ours:.3g} vs single-process {e_pt:.3g}"
+    # refused on every rank: a model split twice, a session over a group the model is not split over
+    m = tensor_parallel(tiny("llama"))
+    with pytest.raises(ValueError, match="split already"):
+        tensor_parallel(m)
+    groups = [dist.new_group([r]) for r in range(p)]
+    from treeattn.hf import Session
+
+    with pytest.raises(ValueError, match=f"split over {p} ranks .* the group has 1"):
+        Session(m, groups[rank])
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_tensor_parallel_greedy_matches_single_process(p):
+    launch(tp_worker, p, timeout=600)
