@@ -40,6 +40,10 @@ def add_model_args(g: argparse.ArgumentParser, *, cuda_graph: bool = False) -> N
                      help="random-weight config (default tiny-llama)")  # fmt: skip
     g.add_argument("--nproc", type=at_least(1), default=2, help="local ranks to launch (ignored under torchrun)")
     add_arguments(g, Layout, skip=() if cuda_graph else ("cuda_graph",))
+    g.add_argument("--tp", type=at_least(1), default=1,
+                   help="ranks each layer's MLP and attention output weights are split over: 1 (default: every rank "
+                   "holds and reads them whole) or every rank (--nproc, or torchrun's world): each reads 1/p of them "
+                   "per step, with two small all-reduces per layer")  # fmt: skip
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     g.add_argument("--seed", type=int, default=0,
                    help="the random weights of a --preset (generate: also sampling, --prompt-len prompts)")  # fmt: skip
@@ -68,9 +72,14 @@ def model_config(spec: str) -> tuple:
 
 def check_model(a: argparse.Namespace) -> tuple:
     """(directory or None for a preset, config) of ``--model``/``--preset``; UsageError for a
-    model that cannot be found or that treeattn cannot run."""
+    model that cannot be found or that treeattn cannot run, or a ``--tp`` that is neither 1
+    nor the number of ranks."""
     from .hf.families import unsupported_reason
     from .hf.presets import preset_config
+
+    world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else a.nproc
+    if a.tp not in (1, world):
+        raise UsageError(f"--tp {a.tp}: the weights split over 1 rank (whole) or every rank ({world}), not {a.tp}")
 
     model_dir, cfg = model_config(a.model) if a.model else (None, preset_config(a.preset))
     why = unsupported_reason(cfg)
@@ -131,14 +140,19 @@ def session_kwargs(a: argparse.Namespace) -> dict:
     return kw
 
 
-def rank_model(a: argparse.Namespace, model_dir: str | None, spec: str | None = None) -> tuple:
+def rank_model(a: argparse.Namespace, model_dir: str | None, spec: str | None = None, split: bool = True) -> tuple:
     """On a rank: (model, tokenizer or None) of ``model_dir`` (None: the preset or hub id
-    ``spec``, default ``--preset``), in ``--dtype``, on this rank's device; on CPU the decode
-    kernel is built (or loaded) here, before any timing starts, and with ``--linear packed``
-    the float32 linears are packed (:func:`treeattn.hf.linear.pack_linears`)."""
+    ``spec``, default ``--preset``), in ``--dtype``, on this rank's device, its weights split
+    over the ranks with ``--tp`` (and ``split``: :func:`treeattn.hf.tensor_parallel`); on CPU
+    the decode kernel is built (or loaded) here, before any timing starts, and with ``--linear
+    packed`` the float32 linears are packed (:func:`treeattn.hf.linear.pack_linears`)."""
     from .hf.presets import build_model
 
     model, tok = build_model(a.preset if spec is None else spec, model_dir, getattr(torch, a.dtype), a.seed)
+    if split and spec is None and getattr(a, "tp", 1) > 1:  # a draft model (spec) runs whole on rank 0
+        from .hf.tensor_parallel import tensor_parallel
+
+        tensor_parallel(model)
     if a.device == "cuda":  # one GPU per rank
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(dev)

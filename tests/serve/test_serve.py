@@ -594,6 +594,39 @@ def test_completion_logprobs_match_transformers(tiny_server):
     assert st == 400 and "logprobs" in body["error"]["message"]
 
 
+def test_server_with_the_weights_split():
+    """``--tp 2``: each rank holds half of every layer's MLP and output projection. Greedy
+    answers equal single-process transformers', and requests run together (prompt-lookup
+    drafts, a shared cached prefix, seeded sampling) answer exactly as each alone."""
+    s = Server("--preset", MODEL, "--nproc", "2", "--tp", "2", "--prefill-chunk", "8", "--cache-tokens", "256",
+               "--speculate", "prompt-lookup")  # fmt: skip
+    try:
+        model = _model()
+        g = torch.Generator().manual_seed(4)
+        doc = torch.randint(3, 500, (30,), generator=g).tolist()
+        reqs = [{"model": MODEL, "prompt": doc + torch.randint(3, 500, (k,), generator=g).tolist(), "max_tokens": 10,
+                 **({"temperature": 0} if k % 2 else {"temperature": 1.2, "seed": k})} for k in range(1, 7)]  # fmt: skip
+        alone = []
+        for r in reqs:
+            st, body = s.request("POST", "/v1/completions", r)
+            assert st == 200, body
+            alone.append(body["choices"][0]["text"])
+            if r["temperature"] == 0:
+                assert _ids_of(alone[-1]) == [t for t in _reference(model, r["prompt"], 10) if t != 2], r
+        together: dict[int, str] = {}
+        threads = [threading.Thread(target=lambda i=i, r=r: together.update({i: s.request("POST", "/v1/completions", r)[1]
+                   ["choices"][0]["text"]})) for i, r in enumerate(reqs)]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert [together[i] for i in range(len(reqs))] == alone
+        health = s.request("GET", "/health")[1]
+        assert health["status"] == "ok" and health["cached_tokens"] > 0, health
+    finally:
+        s.kill()
+
+
 def test_hostile_requests_leave_the_ranks_alone(tiny_server):
     """Every field that reaches the ranks is checked on rank 0 before anything is queued: each
     hostile request gets a 4xx (400, or 404 for an unknown model) while a stream runs, the

@@ -207,7 +207,8 @@ def worker(a: argparse.Namespace, job: Job, local: bool) -> None:
     same = torch.tensor([1 if a.compare_single else 0])
     if a.compare_single and rank == 0:
         kw = {} if not a.ignore_eos else {"eos_token_id": None}
-        ref = model.generate(
+        whole = model if a.tp == 1 else rank_model(a, job.model_dir, split=False)[0]  # split: collective
+        ref = whole.generate(
             ids,
             attention_mask=torch.ones_like(ids),  # else generate infers padding from pad_token_id
             max_new_tokens=job.max_new_tokens,
