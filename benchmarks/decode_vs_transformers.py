@@ -64,11 +64,15 @@ def treeattn_run(model_dir, ids, new, variants, outdir):
     from treeattn.hf import generate
     from treeattn.hf.linear import pack_linears, unpack_linears
     from treeattn.hf.models import load_model
+    from treeattn.hf.tensor_parallel import tensor_parallel
 
-    model, _ = load_model(model_dir)
+    whole, split = load_model(model_dir)[0], None
     rows = []
     for name, kw in variants:
-        if name.endswith(", packed"):
+        if ", tp" in name and split is None:  # the weights split over the ranks (a second copy)
+            split = tensor_parallel(load_model(model_dir)[0])
+        model = split if ", tp" in name else whole
+        if ", packed" in name:
             pack_linears(model)
         else:
             unpack_linears(model)
@@ -94,6 +98,10 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--linear", choices=["torch", "both"], default="both",
                     help="both (default): every row again with packed linear layers (treeattn.hf.linear)")  # fmt: skip
+    ap.add_argument("--tp", choices=["no", "also"], default="also",
+                    help="also (default): the packed rows again with each layer's MLP and output projection split "
+                    "over the ranks (treeattn.hf.tensor_parallel, the CLI's --tp)")  # fmt: skip
+    ap.add_argument("--only-plain", action="store_true", help="no prompt-lookup rows")
     a = ap.parse_args()
     import json
     import tempfile
@@ -111,8 +119,12 @@ def main() -> None:
     pl = dict(speculate="prompt-lookup", num_draft_tokens=5)
     variants = [("treeattn Tree", {}), ("+ prompt lookup (adaptive)", pl),
                 ("+ prompt lookup (fixed 5)", dict(pl, adaptive_draft=False))]  # fmt: skip
+    if a.only_plain:
+        variants = variants[:1]
     if a.linear != "torch":  # the same with packed linears (treeattn.hf.linear), after the plain ones
         variants += [(f"{n}, packed", kw) for n, kw in variants]
+    if a.tp == "also":
+        variants += [(f"{n}, tp", kw) for n, kw in variants if n.endswith(", packed") or a.linear == "torch"]
     bases = ["transformers"] + (["transformers, packed"] if a.linear != "torch" else [])
     print(f"{a.doc}: {ids.shape[1]:,} prompt tokens, question {a.question!r}, greedy, {new} new tokens, "
           f"treeattn p={a.nproc} (1 thread per rank), transformers {a.threads} threads", flush=True)  # fmt: skip
@@ -136,7 +148,7 @@ def main() -> None:
             launch(treeattn_run, a.nproc, (d, ids, new, variants, tmp), timeout=7200)
             rows = json.loads(Path(tmp, "rows.json").read_text())
         for r in rows:
-            base = "transformers, packed" if r["name"].endswith(", packed") else "transformers"
+            base = "transformers, packed" if ", packed" in r["name"] else "transformers"
             if r["toks"] != ref_toks[base]:
                 print(f"run {run}: {r['name']} gave other tokens than {base}", flush=True)
             table.setdefault(r["name"], []).append((r["ms"], r["ttft"], r["mal"]))

@@ -39,6 +39,12 @@ def ag_rd(n: float, p: int, a: Any, ib: Any) -> Any:
     return 0.0 if p <= 1 else log2c(p) * a + ((p - 1) * n) * ib
 
 
+def a2a(n: float, p: int, a: Any, ib: Any) -> Any:
+    """Pairwise all-to-all, ``n`` bytes per rank of which each peer gets ``n / p``:
+    ``(p-1)·a + (p-1)/p·n·ib``."""
+    return 0.0 if p <= 1 else (p - 1) * a + ((p - 1) / p * n) * ib
+
+
 def pick(algo: str, ring: Any, other: Any) -> Any:
     """``algo`` ``"ring"``: ``ring``; ``"auto"``: the cheaper (as NCCL's tuner); else ``other``."""
     return ring if algo == "ring" else other if algo != "auto" else min(ring, other)

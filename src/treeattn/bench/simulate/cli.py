@@ -11,6 +11,7 @@ from typing import Any
 
 from ..._argtypes import at_least
 from ...cost import model as cost_model
+from ...cost.layouts import MODELS, table
 from ...cost.model import DTYPE_BYTES, Cluster
 from ...cost.presets import PRESET_GRID, PRESETS
 from ...cost.profile import load_profile, save_profile
@@ -74,6 +75,11 @@ def add_parser(sub: Any) -> None:
         "(tree_decode(profile=PATH) or TREEATTN_PROFILE=PATH)",
     )  # fmt: skip
     g.add_argument("--out", metavar="DIR", default=None, help="write simulate.csv, simulate.json and PNG plots")
+    g.add_argument("--layouts", action="store_true",
+                   help="a whole model's decode step per layout of its weights and K/V (KVP only, TP only, KVP x TP) "
+                   "for --models at --seq tokens on --p ranks (default 128k and 1M tokens, 8, 16 and 64 ranks)")  # fmt: skip
+    g.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS),
+                   help="with --layouts: the models (default all)")  # fmt: skip
     g.set_defaults(func=run)
 
 
@@ -92,6 +98,14 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:
             return _fail(str(e))
         cluster, source = prof.cluster, prof.describe()
+    if args.layouts:
+        seqs, ranks = args.seq or [131072, 1048576], args.p or [8, 16, 64]
+        try:
+            print(f"one decode step, ms/token, batch {args.batch}, bf16, {source} (treeattn.cost.layouts)\n")
+            print(table(cluster, args.models, seqs, ranks, batch=args.batch))
+        except ValueError as e:
+            return _fail(str(e))
+        return 0
     calib_json = fit = None
     if args.calibrate:
         base = cluster if getattr(args, "profile", None) else PRESETS["local"]
