@@ -29,11 +29,11 @@ def other_value(cls: type, f: dataclasses.Field):
         return next(c for c in m["choices"] if c != d)
     if isinstance(d, bool):
         return not d
-    if f.name in ("top_p", "typical_p", "eta_cutoff"):
-        return 0.5
+    if m["high"] is not None:  # a bounded number: the middle of its range
+        return (m["low"] + m["high"]) / 2
     if f.name == "temperature":
         return 0.75
-    return (d or 1) + 1
+    return (d or m["low"] or 1) + 1
 
 
 def planted(cls: type) -> list[tuple[str, object]]:

@@ -27,7 +27,7 @@ ALL = (Layout, Sampling, Speculation, Serving)
         (Sampling, dict(temperature=None), "temperature must be a finite number >= 0, got None"),
         (Sampling, dict(top_k=-1), "top_k must be an int >= 0 or None, got -1"),
         (Sampling, dict(seed="0"), "seed must be an int, got '0'"),
-        (Speculation, dict(speculate="medusa"), "speculate must be one of ('prompt-lookup', 'draft'), got 'medusa'"),
+        (Speculation, dict(speculate="medusa"), "speculate must be one of ('prompt-lookup', 'draft') or None, got 'medusa'"),
         (Speculation, dict(num_draft_tokens=0), "num_draft_tokens must be an int >= 1, got 0"),
         (Serving, dict(max_batch=0), "max_batch must be an int >= 1, got 0"),
     ],

@@ -52,7 +52,7 @@ def check_value(cls: type, f: dataclasses.Field, v: Any) -> Any:
         v = float(v)
     ok = type(v) is kind and not (kind is float and not math.isfinite(v))
     if ok and m["choices"] is not None and v not in m["choices"]:
-        raise ValueError(f"{f.name} must be one of {m['choices']}, got {v!r}")
+        raise ValueError(f"{f.name} must be one of {m['choices']}{' or None' if optional else ''}, got {v!r}")
     if ok and kind in (int, float):
         lo, hi = m["low"], m["high"]
         ok = (lo is None or (v > lo if m["open_low"] else v >= lo)) and (hi is None or (v < hi if m["open_high"] else v <= hi))
