@@ -24,7 +24,8 @@ NAME = "SmolLM2-135M-Instruct.Q4_1"  # the served name: the GGUF file's stem
 
 @pytest.fixture(scope="module")
 def server(smol):
-    s = Server("--model", str(GGUF), "--nproc", "2", "--max-queue", "2", "--max-batch", "4", "--prefill-chunk", "512")
+    s = Server("--model", str(GGUF), "--nproc", "2", "--max-queue", "2", "--max-batch", "4", "--prefill-chunk", "512",
+               "--allowed-origins", "http://app.example")  # fmt: skip
     yield s
     s.kill()
 
@@ -95,6 +96,45 @@ def test_chat_logprobs_match_transformers(server, client, smol):
     streamed = [x for ch in chunks if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.content]
     assert [(x.token, x.logprob) for x in streamed] == [(x.token, x.logprob) for x in content]
     assert _ask(client, CHAT, max_tokens=2).choices[0].logprobs is None
+
+
+def test_tokenize_detokenize_and_cors(server, smol):
+    """vLLM's /tokenize and /detokenize on the model's tokenizer (a prompt, chat messages with
+    and without the generation prompt, errors that name the field), and CORS for the origins of
+    --allowed-origins only (a browser's preflight answered)."""
+    import urllib.request
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smol["dir"])
+    st, body = server.request("POST", "/tokenize", {"model": NAME, "prompt": "The capital of France"})
+    assert st == 200 and body["tokens"] == tok("The capital of France").input_ids
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 8192
+    msgs = [{"role": "user", "content": CHAT}]
+    st, body = server.request("POST", "/tokenize", {"messages": msgs})
+    want = list(tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True)["input_ids"])
+    assert st == 200 and body["tokens"] == want and body["count"] == 37  # the prompt the chat endpoint runs
+    st, body = server.request("POST", "/tokenize", {"messages": msgs, "add_generation_prompt": False})
+    assert st == 200 and len(body["tokens"]) < 37
+    st, body = server.request("POST", "/detokenize", {"tokens": tok("Paris is nice").input_ids})
+    assert st == 200 and body["prompt"] == "Paris is nice"
+    for path, bad, param in (("/tokenize", {"prompt": "a", "messages": msgs}, "prompt"), ("/tokenize", {}, "prompt"),
+                             ("/detokenize", {"tokens": [49152]}, "tokens"), ("/detokenize", {"tokens": [-1]}, "tokens"),
+                             ("/tokenize", {"model": "gpt-4", "prompt": "a"}, "model")):  # fmt: skip
+        st, body = server.request("POST", path, bad)
+        assert 400 <= st < 500 and (body["error"]["param"] or "").startswith(param), (path, bad, body)
+
+    def preflight(origin: str):
+        req = urllib.request.Request(server.url + "/v1/chat/completions", method="OPTIONS", headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, r.headers.get("access-control-allow-origin")
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers.get("access-control-allow-origin")
+
+    assert preflight("http://app.example") == (200, "http://app.example")
+    assert preflight("http://evil.example")[1] is None
 
 
 def test_second_question_reuses_the_document(server, client, smol_doc):

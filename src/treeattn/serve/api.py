@@ -50,7 +50,14 @@ from starlette.exceptions import HTTPException
 
 from . import logprobs as LP
 from .request import Request as Job
-from .schema import CHARS_PER_POSITION, ApiError, ChatRequest, CompletionRequest, check_unknown
+from .schema import (
+    CHARS_PER_POSITION,
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    check_unknown,
+)
+from .tokenize import add_token_routes
 
 
 class _ErrorJSON(JSONResponse):
@@ -80,6 +87,7 @@ class ServerState:
     stats: dict
     requests: queue.Queue = field(default_factory=queue.Queue)
     api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ()  # CORS: origins browsers may call from (none: no CORS headers)
     failed: str | None = None  # why the ranks are gone (503 from then on)
     created: int = field(default_factory=lambda: int(time.time()))
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -178,7 +186,7 @@ class _Auth:
         self.app, self.want = app, f"Bearer {key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"].startswith(("/v1/", "/tokenize", "/detokenize")):
             got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             if not secrets.compare_digest(got, self.want):
                 r = _error(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
@@ -211,6 +219,18 @@ def build_app(state: ServerState) -> FastAPI:
 
     if state.api_key:
         app.add_middleware(_Auth, key=state.api_key)
+    if state.allowed_origins:  # added last: runs first, so a browser's preflight is answered before the key check
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])  # fmt: skip
+
+    def _model(name: str | None) -> None:
+        if name is not None and name != state.model_name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server has {state.model_name!r}",
+                           param="model", code="model_not_found")  # fmt: skip
+
+    add_token_routes(app, state, _model)
 
     @app.get("/health")
     async def health():
@@ -233,9 +253,7 @@ def build_app(state: ServerState) -> FastAPI:
         return await _serve(body, request, chat=False)
 
     async def _serve(body, request: Request, chat: bool):
-        if body.model != state.model_name:
-            raise ApiError(404, f"the model {body.model!r} does not exist; this server has {state.model_name!r}",
-                           param="model", code="model_not_found")  # fmt: skip
+        _model(body.model)
         if state.failed is not None:
             raise ApiError(503, f"a rank is gone: {state.failed}", type="server_error", code="rank_failed")
         check_unknown(body)

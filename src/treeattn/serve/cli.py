@@ -82,7 +82,8 @@ def worker(a: argparse.Namespace, model_dir: str | None, local: bool) -> None:
 
     max_pos = getattr(model.config, "max_position_embeddings", None) or (1 << 62)
     state = ServerState(model_name(a), tok, max_pos, engine.vocab, engine.per_rank, a.cache_tokens, a.max_queue,
-                        _eos_ids(model, None, True), engine.stats, api_key=a.api_key)  # fmt: skip
+                        _eos_ids(model, None, True), engine.stats, api_key=a.api_key,
+                        allowed_origins=tuple(a.allowed_origins))  # fmt: skip
     sock = _listen(a.host, a.port)
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(build_app(state), log_level="info" if a.access_log else "warning",
@@ -141,6 +142,9 @@ def add_parser(sub) -> None:
                    "preset); it needs the model's tokenizer, and keeps a KV cache per drafting request on rank 0")  # fmt: skip
     g.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 429 (default 64)")
     g.add_argument("--access-log", action="store_true", help="log every request (uvicorn's access log)")
+    g.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                   help="CORS: the origins browsers may call this server from (e.g. http://localhost:3000, or *; "
+                   "default none: no CORS headers)")  # fmt: skip
     g.set_defaults(func=run)
 
 

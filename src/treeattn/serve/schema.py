@@ -176,3 +176,20 @@ def check_unknown(body: BaseModel, where: str = "") -> None:
         for item in v if isinstance(v, list) else [v]:
             if isinstance(item, BaseModel):
                 check_unknown(item, f"{where}{name}.")
+
+
+class TokenizeRequest(_Lenient):
+    """vLLM's ``/tokenize``: a ``prompt`` or chat ``messages`` (one of them)."""
+
+    model: str | None = None
+    prompt: Text | None = None
+    messages: Annotated[list[Message], Field(min_length=1)] | None = None
+    add_special_tokens: Bool = True
+    add_generation_prompt: Bool = True
+
+
+class DetokenizeRequest(_Lenient):
+    """vLLM's ``/detokenize``."""
+
+    model: str | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=1 << 20)]
