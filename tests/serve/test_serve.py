@@ -453,7 +453,7 @@ def _hostile() -> list[tuple[str, str, dict | bytes]]:
         "max_tokens": [0, -1, *huge, 1e300, *wrong],
         "temperature": [-1, -1e-9, 2.5, 1e308, 2**80, -(2**80), "hot", True, [1]],
         "top_p": [0, -0.5, 1.5, 2**80, -(2**80), "x", True],
-        "n": [0, 2, -1, 2**80, True, 1.0],
+        "n": [0, 17, -1, 2**80, True, 1.0],
         "top_k": [-2, 1.5, "x", True, 2**80],
         "min_p": [-0.1, 1.5, "x", True],
         "typical_p": [0, -1, 1.5],
@@ -545,7 +545,7 @@ def test_lenient_requests_and_sampling_extras(tiny_server):
     assert s.output().count("ignoring the unknown request field 'x_unknown'") == 1  # logged once, asked twice
     # refused, naming the field: what this server cannot honour
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
-    for field, value in (("n", 2), ("n", True), ("top_logprobs", 3), ("tools", []),
+    for field, value in (("n", 17), ("n", True), ("best_of", 2), ("top_logprobs", 3), ("tools", []),
                          ("response_format", {"type": "json_object"}), ("logit_bias", {"5": 1}),
                          ("presence_penalty", 0.5), ("repetition_penalty", 1.2), ("guided_json", {}),
                          ("tool_choice", "required")):  # fmt: skip
@@ -625,6 +625,36 @@ def test_server_with_the_weights_split():
         assert health["status"] == "ok" and health["cached_tokens"] > 0, health
     finally:
         s.kill()
+
+
+def test_n_choices(tiny_server):
+    """``n`` > 1: one request, n choices (one row each), the prompt prefilled once (the other
+    choices read its cached K/V); greedy choices equal the answer alone, a seeded choice i the
+    answer of seed + i alone; streamed, each choice's chunks carry its index and add up to it."""
+    s = tiny_server
+    ids = [31, 32, 33, 34, 35, 36]
+    base = {"model": MODEL, "prompt": ids, "max_tokens": 7}
+    before = s.request("GET", "/health")[1]
+    st, body = s.request("POST", "/v1/completions", {**base, "temperature": 0, "n": 3})  # a prompt not seen before
+    after = s.request("GET", "/health")[1]
+    one = s.request("POST", "/v1/completions", {**base, "temperature": 0})[1]
+    assert st == 200 and [c["index"] for c in body["choices"]] == [0, 1, 2], body
+    assert all(c["text"] == one["choices"][0]["text"] for c in body["choices"])
+    assert body["usage"]["prompt_tokens"] == len(ids) and body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert body["usage"]["completion_tokens"] == 3 * one["usage"]["completion_tokens"]
+    assert after["requests"] - before["requests"] == 3
+    assert after["cached_tokens"] - before["cached_tokens"] == 2 * (len(ids) - 1)  # the other two read the first's
+    samp = {**base, "temperature": 1.3, "seed": 40}
+    st, body = s.request("POST", "/v1/completions", {**samp, "n": 2})
+    alone = [s.request("POST", "/v1/completions", {**samp, "seed": 40 + i})[1]["choices"][0]["text"] for i in (0, 1)]
+    assert st == 200 and [c["text"] for c in body["choices"]] == alone and alone[0] != alone[1]
+    ev = [e for e in s.events("/v1/completions", {**samp, "n": 2, "stream_options": {"include_usage": True}})
+          if e != "[DONE]"]  # fmt: skip
+    texts = ["".join(e["choices"][0]["text"] for e in ev if e["choices"] and e["choices"][0]["index"] == i)
+             for i in (0, 1)]  # fmt: skip
+    assert texts == alone and ev[-1]["choices"] == [] and ev[-1]["usage"]["completion_tokens"] == 14
+    finished = [e["choices"][0]["index"] for e in ev if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert sorted(finished) == [0, 1]
 
 
 def test_hostile_requests_leave_the_ranks_alone(tiny_server):

@@ -34,7 +34,6 @@ JSON, so an odd character in a request never makes its error unprintable.
 from __future__ import annotations
 
 import asyncio
-import json
 import queue
 import secrets
 import threading
@@ -45,11 +44,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from fastapi.sse import EventSourceResponse, format_sse_event
+from fastapi.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
 
-from . import logprobs as LP
 from .request import Request as Job
+from .responses import ErrorJSON as _ErrorJSON
+from .responses import stream_answer, whole_answer
 from .schema import (
     CHARS_PER_POSITION,
     ApiError,
@@ -58,14 +58,6 @@ from .schema import (
     check_unknown,
 )
 from .tokenize import add_token_routes
-
-
-class _ErrorJSON(JSONResponse):
-    """An error body as ASCII JSON: a message that quotes a request's odd characters (a lone
-    surrogate) still encodes."""
-
-    def render(self, content) -> bytes:
-        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
 
 
 def _error(status: int, message: str, type: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
@@ -140,6 +132,18 @@ def _token_name(state: ServerState):
     if tok is None:
         return lambda i: f"<{i}>"
     return lambda i: tok.decode([i], skip_special_tokens=False)
+
+
+def _jobs(state: ServerState, body) -> list[Job]:
+    """The engine's requests for ``body``: one per choice (``n``); with a ``seed``, choice i
+    samples with ``seed + i`` (so each choice is the answer that seed alone gives)."""
+    first = _job(state, body)
+    out = [first]
+    for i in range(1, body.n):
+        j = _job(state, body)
+        j.seed = None if first.seed is None else (first.seed + i) % 2**64
+        out.append(j)
+    return out
 
 
 def _job(state: ServerState, body) -> Job:
@@ -257,117 +261,23 @@ def build_app(state: ServerState) -> FastAPI:
         if state.failed is not None:
             raise ApiError(503, f"a rank is gone: {state.failed}", type="server_error", code="rank_failed")
         check_unknown(body)
-        job = _job(state, body)
+        jobs = _jobs(state, body)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        job.emit = lambda kind, data: loop.call_soon_threadsafe(events.put_nowait, (kind, data))
+        for i, job in enumerate(jobs):  # one queue for the choices' events, each tagged with its index
+            job.emit = lambda kind, data, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, kind, data))
         with state.lock:
-            if state.requests.qsize() >= state.max_queue:
+            if state.requests.qsize() + len(jobs) > state.max_queue:
                 raise ApiError(429, f"the queue is full ({state.max_queue} requests waiting); retry later",
                                type="rate_limit_error", code="queue_full")  # fmt: skip
-            state.requests.put(job)
+            for job in jobs:  # together: the first prefills the prompt, the others read its K/V
+                state.requests.put(job)
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": state.model_name}  # fmt: skip
-        lp = None if job.logprobs is None else (_token_name(state), job.logprobs)
+        lp = None if jobs[0].logprobs is None else (_token_name(state), jobs[0].logprobs)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EventSourceResponse(_stream(job, events, head, chat, usage, lp))
-        return await _whole(job, events, request, head, chat, lp)
+            return EventSourceResponse(stream_answer(jobs, events, head, chat, usage, lp))
+        return await whole_answer(jobs, events, request, head, chat, lp)
 
     return app
-
-
-async def _next(events: asyncio.Queue, job: Job, request: Request | None, seen: list[float]):
-    """The next event; when ``request`` is given, a client that left cancels the job: checked
-    every 0.5 s (``seen[0]``: the last check), whether or not events keep coming."""
-    while True:
-        if request is not None and time.monotonic() - seen[0] >= 0.5:
-            seen[0] = time.monotonic()
-            if await request.is_disconnected():
-                job.cancelled.set()
-                return ("error", (499, "client closed the request"))
-        try:
-            return await asyncio.wait_for(events.get(), 0.5)
-        except TimeoutError:
-            pass
-
-
-def _usage(end: dict) -> dict:
-    n, c = end["prompt_tokens"], end["completion_tokens"]
-    out = {"prompt_tokens": n, "completion_tokens": c, "total_tokens": n + c,
-           "prompt_tokens_details": {"cached_tokens": end["cached_tokens"]}}  # fmt: skip
-    if end.get("drafted") is not None:  # speculation: drafted tokens the model accepted and rejected
-        acc, rej = end["drafted"]
-        out["completion_tokens_details"] = {"accepted_prediction_tokens": acc, "rejected_prediction_tokens": rej}
-    return out
-
-
-def _fail(status: int, msg: str) -> dict:
-    return ApiError(status, msg, type="server_error" if status >= 500 else "invalid_request_error").body
-
-
-def _logprobs(lp, entries: list, chat: bool, offset: int) -> dict | None:
-    """A choice's ``logprobs`` (None when not asked for)."""
-    if lp is None:
-        return None
-    name, top = lp
-    return LP.chat(entries, name) if chat else LP.completion(entries, name, offset, top)
-
-
-async def _whole(job: Job, events: asyncio.Queue, request: Request, head: dict, chat: bool, lp=None):
-    parts, seen, entries = [], [time.monotonic()], []
-    while True:
-        kind, data = await _next(events, job, request, seen)
-        if kind == "logprobs":
-            entries += data
-        elif kind == "text":
-            parts.append(data)
-        elif kind == "error":
-            return _ErrorJSON({"error": _fail(*data)}, status_code=data[0])
-        elif kind == "end":
-            text = "".join(parts)
-            choice = {"index": 0, "finish_reason": data["finish_reason"], "logprobs": _logprobs(lp, entries, chat, 0)}
-            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-            return {**head, "choices": [choice], "usage": _usage(data)}
-
-
-async def _stream(job: Job, events: asyncio.Queue, head: dict, chat: bool, usage: bool, lp=None):
-    head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
-    pending, sent = [], [0]  # logprob entries for the next chunk; characters sent
-
-    def chunk(text: str | None, finish: str | None, first: bool = False) -> bytes:
-        lps = _logprobs(lp, pending, chat, sent[0]) if pending or (lp is not None and text) else None
-        pending.clear()
-        sent[0] += len(text or "")
-        if chat:
-            delta = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
-            c = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lps}
-        else:
-            c = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": lps}
-        return _sse({**head, "choices": [c], **({"usage": None} if usage else {})})
-
-    try:
-        while True:
-            kind, data = await _next(events, job, None, [0.0])
-            if kind == "start":
-                if chat:
-                    yield chunk(None, None, first=True)
-            elif kind == "logprobs":
-                pending.extend(data)
-            elif kind == "text":
-                yield chunk(data, None)
-            elif kind == "error":
-                yield _sse({"error": _fail(*data)})
-                break
-            elif kind == "end":
-                yield chunk(None, data["finish_reason"])
-                if usage:
-                    yield _sse({**head, "choices": [], "usage": _usage(data)})
-                break
-        yield format_sse_event(data_str="[DONE]")
-    finally:  # the client left (the task was cancelled) or the answer is complete
-        job.cancelled.set()
-
-
-def _sse(obj: dict) -> bytes:
-    return format_sse_event(data_str=json.dumps(obj, ensure_ascii=False))

@@ -57,6 +57,7 @@ Int = Annotated[int, Field(strict=True)]  # a JSON integer: not true, "3" or 1.5
 Bool = Annotated[bool, Field(strict=True)]  # a JSON true or false: not "yes" or 1
 Count = Annotated[int, Field(strict=True, ge=1, le=MAX_NEW_TOKENS)]
 Stop = Annotated[str, Field(strict=True, max_length=MAX_STOP_CHARS), AfterValidator(_unicode)]
+MAX_N = 16  # choices a request may ask for (n)
 TokenId = Annotated[int, Field(strict=True, ge=0, lt=2**63)]  # then below the vocabulary (_ids)
 
 
@@ -66,7 +67,7 @@ _logged: set[str] = set()  # unknown field names already logged
 # known fields this server cannot honour -> their no-op values (what they may hold); any other
 # value is a 400 naming the field. Types count: true is not 1.
 NOT_HONOURED: dict[str, tuple] = {
-    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",),
+    "best_of": (1,), "echo": (False,), "suffix": ("",),
     "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
     "logit_bias": ({},), "tools": (), "functions": (), "function_call": ("none",), "tool_choice": ("none", "auto"),
     "response_format": ({"type": "text"},), "audio": (), "modalities": (["text"],), "prediction": (),
@@ -128,6 +129,7 @@ class _Sampling(_Lenient):
                     _either("one", "list", "a string or a list of up to 4 strings")] | None = None  # fmt: skip
     stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] = []
     ignore_eos: Bool = False
+    n: Annotated[Int, Field(ge=1, le=MAX_N)] = 1
     stream: Bool = False
     stream_options: StreamOptions | None = None
 
