@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..comm.collectives import all_gather, all_reduce, world
+from ..comm.shm import shm_exchange
 
 # (tokens per rank, gathered inputs by Tokens) of the sequence-sharded forward running, or None
 _SHARDED: ContextVar[tuple[tuple[int, ...], dict] | None] = ContextVar("treeattn_sharded_tokens", default=None)
@@ -73,12 +74,51 @@ class Tokens:
         hit = memo.get(id(self))
         if hit is not None and hit[0] is x:
             return hit[1]
-        n = max(counts)
-        pad = x if x.shape[-2] == n else torch.cat([x, x.new_zeros(*x.shape[:-2], n - x.shape[-2], x.shape[-1])], -2)
-        g = all_gather(pad.contiguous(), self.group)  # [p, ..., n, C]
-        out = torch.cat([g[r, ..., :c, :] for r, c in enumerate(counts)], -2)
+        blocks = _exchange(x, list(counts), self.group)
+        if blocks is not None:
+            out = torch.cat(blocks, -2)
+        else:  # through the process group: padded to the longest
+            n = max(counts)
+            pad = x if x.shape[-2] == n else torch.cat([x, x.new_zeros(*x.shape[:-2], n - x.shape[-2], x.shape[-1])], -2)
+            g = all_gather(pad.contiguous(), self.group)  # [p, ..., n, C]
+            out = torch.cat([g[r, ..., :c, :] for r, c in enumerate(counts)], -2)
         memo[id(self)] = (x, out)
         return out
+
+
+def _exchange(x: Tensor, counts: list[int], group) -> list[Tensor] | None:
+    """Every rank's ``x [B, counts[r], C]`` in rank order, through /dev/shm (each rank publishes
+    its block once, its peers read it in place: :mod:`treeattn.comm.shm`); None where the ranks
+    share no memory. The peers' blocks are views, valid until the exchange after next."""
+    ex = shm_exchange(group)
+    if ex is None or x.dim() != 3:
+        return None
+    B, n, C = x.shape
+    k, v = x.reshape(B, 1, n, C), x.new_empty(B, 1, n, 0)
+    if not ex.fits(k, v, counts):
+        return None
+    rank = world(group)[0]
+    out: list[Tensor | None] = [None] * len(counts)
+    out[rank] = x
+    for src, ks, _ in ex.exchange(k.contiguous(), v, counts):
+        out[src] = ks.reshape(B, counts[src], C)
+    return out
+
+
+def _own_rows_of_sum(y: Tensor, counts: tuple[int, ...], group) -> Tensor:
+    """This rank's rows (its tokens, at ``sum(counts[:rank])``) of the sum over the ranks of
+    ``y [..., sum(counts), C]``: each rank reads its rows of every peer's ``y`` in place and
+    adds them in rank order (a reduce-scatter); through the process group, an all-reduce."""
+    rank, p = world(group)
+    a, n = sum(counts[:rank]), counts[rank]
+    N = sum(counts)
+    blocks = _exchange(y, [N] * p, group) if y.dim() == 3 else None
+    if blocks is None:
+        return all_reduce(y.contiguous(), dist.ReduceOp.SUM, group)[..., a : a + n, :]
+    out = blocks[0][:, a : a + n].clone()
+    for b in blocks[1:]:
+        out += b[:, a : a + n]
+    return out
 
 
 class ColumnParallel(nn.Module):
@@ -123,11 +163,10 @@ class RowParallel(nn.Module):
             x = self.tokens.all(x, sharded)
         if self.sliced:
             x = x[..., self.lo : self.hi]
-        y = all_reduce(self.inner(x).contiguous(), dist.ReduceOp.SUM, self.group)
         if sharded is not None:  # this rank's tokens of the sum
-            counts, rank = sharded[0], world(self.group)[0]
-            a = sum(counts[:rank])
-            y = y[..., a : a + counts[rank], :]
+            y = _own_rows_of_sum(self.inner(x), sharded[0], self.group)
+        else:
+            y = all_reduce(self.inner(x).contiguous(), dist.ReduceOp.SUM, self.group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
