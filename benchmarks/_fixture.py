@@ -27,3 +27,33 @@ def document(path: str, unwrap: bool = False) -> str:
     """The text of ``path``; ``unwrap``: a line break between two non-blank characters becomes a space."""
     text = Path(path).read_text()
     return re.sub(r"(?<=\S)\n(?=\S)", " ", text) if unwrap else text
+
+
+def transformers_timed(model_dir, ids, new: int, threads: int, packed: bool) -> tuple[list[int], float, float]:
+    """(greedy tokens, TTFT s, s per token after the first) of plain ``model.generate`` in this
+    process, with ``threads`` threads (``packed``: its linears packed first, treeattn.hf.linear)."""
+    import time
+
+    import torch
+
+    from treeattn.hf.linear import pack_linears
+    from treeattn.hf.models import load_model
+
+    torch.set_num_threads(threads)
+    model, _ = load_model(model_dir)
+    if packed:
+        pack_linears(model)
+    stamps = []
+
+    class Clock:  # generate() puts the prompt, then each new token
+        def put(self, x):
+            stamps.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new, do_sample=False, streamer=Clock())
+    toks = out[0, ids.shape[1] :].tolist()
+    return toks, stamps[1] - t0, (stamps[-1] - stamps[1]) / max(len(toks) - 1, 1)

@@ -21,36 +21,14 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from _fixture import document, smollm2_gguf  # benchmarks/_fixture.py, beside this script
+from _fixture import document, smollm2_gguf, transformers_timed  # benchmarks/_fixture.py, beside this script
 from speculative import QUESTIONS
 
 
 def transformers_run(model_dir, ids, new, threads, q):
-    import time
-
-    import torch
-
     from treeattn._host import peak_memory_bytes
-    from treeattn.hf.linear import pack_linears
-    from treeattn.hf.models import load_model
 
-    torch.set_num_threads(threads)
-    model, _ = load_model(model_dir)
-    pack_linears(model)
-    stamps = []
-
-    class Clock:  # generate() puts the prompt, then each new token
-        def put(self, x):
-            stamps.append(time.perf_counter())
-
-        def end(self):
-            pass
-
-    with torch.no_grad():
-        t0 = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=new, do_sample=False, streamer=Clock())
-    toks = out[0, ids.shape[1] :].tolist()
-    q.put((toks, stamps[1] - t0, (stamps[-1] - stamps[1]) / max(len(toks) - 1, 1), peak_memory_bytes()))
+    q.put((*transformers_timed(model_dir, ids, new, threads, packed=True), peak_memory_bytes()))
 
 
 def treeattn_run(model_dir, ids, new, split, outdir):
