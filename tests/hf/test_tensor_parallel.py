@@ -2,7 +2,7 @@
 projection, Megatron's column / row parallel) beside the sequence split of the KV cache: at p =
 2, 3, 4 on tiny Llama, Qwen2, Mistral (sliding window) and Gemma-2 (softcaps) models, greedy
 tokens identical to single-process transformers, Tree and Ring, both placements, chunked
-prefill, packed linears; last-step logits within 2x single-process float32's error against
+prefill, packed linears, speculation (chains and token trees) and contrastive search; last-step logits within 2x single-process float32's error against
 float64; each rank holding its share of the split weights; a Session over another group and
 a model split twice refused on every rank."""
 
@@ -71,6 +71,22 @@ def tp_worker() -> None:
         e_pt = (whole(full_ids).logits[:, -1].double() - l64).abs().max().item()
         e_ours = (info["last_logits"].double() - l64).abs().max().item()
         assert e_ours <= 2 * e_pt + 1e-5, f"{case}: logits err {e_ours:.3g} vs single-process {e_pt:.3g}"
+    # speculation (prompt lookup, a chain and a token tree) and contrastive search over the split weights
+    whole = tiny("llama")
+    m = tensor_parallel(copy.deepcopy(whole))
+    ids = torch.tensor([[7, 8, 9, 10, 11] * 6])
+    ref = reference_tokens(whole, ids)
+    for width in (1, 2):
+        info = {}
+        out = generate(m, ids, max_new_tokens=NEW, speculate="prompt-lookup", tree_width=width, adaptive_draft=False,
+                       stop_at_eos=False, info=info)  # fmt: skip
+        assert torch.equal(out, ref), f"p={p} speculation width {width}: {out.tolist()} != {ref.tolist()}"
+        assert info["target_forwards"] < NEW  # drafts were accepted: several tokens per forward
+    w64 = tiny("qwen2").double()
+    m64 = tensor_parallel(copy.deepcopy(w64))
+    ids = torch.randint(0, 512, (1, 15), generator=torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=NEW, penalty_alpha=0.6, top_k=4, stop_at_eos=False, prefill_chunk=4)
+    assert torch.equal(generate(m64, ids, **kw), generate(w64, ids, **kw)), f"p={p} contrastive search"
     # refused on every rank: a model split twice, a session over a group the model is not split over
     m = tensor_parallel(tiny("llama"))
     with pytest.raises(ValueError, match="split already"):

@@ -712,6 +712,36 @@ def test_cli_errors_before_any_rank_starts():
     assert r.returncode == 2 and "--draft-cache-tokens is used with --draft-model only" in r.stderr, r.stderr
     r = serve("--speculate", "draft", "--draft-model", "small-llama")  # another vocabulary
     assert r.returncode == 2 and "its vocabulary" in r.stderr, r.stderr
+    r = serve("--max-model-len", "2000000")  # the preset has 1,048,576 positions
+    assert r.returncode == 2 and "--max-model-len 2000000 exceeds the model's 1048576 positions" in r.stderr, r.stderr
+    r = serve("--tp", "3", "--nproc", "2")
+    assert r.returncode == 2 and "--tp 3: the weights split over 1 rank (whole) or every rank (2)" in r.stderr, r.stderr
+
+
+def test_generation_config_defaults_and_max_model_len():
+    """``--generation-config auto`` (vLLM's default): what a request leaves out (or sends as
+    null) samples with the model's generation_config values, only those it sets; a request's
+    own value wins. ``--max-model-len``: the positions a request may take."""
+    from treeattn.serve.api import ApiError, CompletionRequest, ServerState, _jobs, generation_defaults
+
+    model = _model()
+    assert generation_defaults(model) == {}  # a config with no sampling values: OpenAI's defaults
+    gc = model.generation_config
+    gc.temperature, gc.top_p, gc.top_k, gc.repetition_penalty, gc.typical_p = 0.6, 0.9, 20, 1.1, 5.0
+    d = generation_defaults(model)
+    assert d == {"temperature": 0.6, "top_p": 0.9, "top_k": 20}  # not repetition_penalty; typical_p out of range
+    state = ServerState(MODEL, None, 40, 500, lambda n: n, 0, 4, [2], {}, defaults=d)
+
+    def job(**kw):
+        return _jobs(state, CompletionRequest.model_validate({"model": MODEL, "prompt": [1, 2], **kw}))[0]
+
+    j = job()
+    assert (j.temperature, j.top_p, j.top_k) == (0.6, 0.9, 20)
+    j = job(temperature=0, top_p=None, top_k=-1)
+    assert (j.temperature, j.top_p, j.top_k) == (0.0, 0.9, None)
+    with pytest.raises(ApiError, match="supports 40 positions: ask for at most 38"):
+        job(max_tokens=39)
+    assert job().max_tokens == 38
 
 
 def _drain(stream) -> list:

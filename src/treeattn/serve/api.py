@@ -80,6 +80,7 @@ class ServerState:
     requests: queue.Queue = field(default_factory=queue.Queue)
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()  # CORS: origins browsers may call from (none: no CORS headers)
+    defaults: dict = field(default_factory=dict)  # sampling fields a request leaves out -> the model's value
     failed: str | None = None  # why the ranks are gone (503 from then on)
     created: int = field(default_factory=lambda: int(time.time()))
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -126,6 +127,24 @@ def _ids(state: ServerState, body) -> list[int]:
     return ids
 
 
+SAMPLING_DEFAULTS = {"temperature": (0.0, 2.0), "top_p": (1e-9, 1.0), "top_k": (-1, 2**31), "min_p": (0.0, 1.0),
+                     "typical_p": (1e-9, 1.0), "eta_cutoff": (0.0, 0.999999)}  # fmt: skip
+
+
+def generation_defaults(model) -> dict:
+    """The sampling values the model's generation config sets (its non-default fields only, as
+    vLLM's ``--generation-config auto``): what a request that leaves them out samples with.
+    Values outside the server's own ranges are left out."""
+    gc = getattr(model, "generation_config", None)
+    diff = gc.to_diff_dict() if gc is not None else {}
+    out = {}
+    for name, (lo, hi) in SAMPLING_DEFAULTS.items():
+        v = diff.get(name)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and lo <= v <= hi:
+            out[name] = int(v) if name == "top_k" else float(v)
+    return out
+
+
 def _token_name(state: ServerState):
     """A token id -> its text (special tokens too; ``<id>`` without a tokenizer)."""
     tok = state.tokenizer
@@ -169,6 +188,9 @@ def _job(state: ServerState, body) -> Job:
     def decode(t):
         return tok.decode(t, skip_special_tokens=True) if tok is not None else "".join(f"<{i}>" for i in t)
 
+    for name, value in state.defaults.items():  # what the request left out: the model's generation config
+        if name not in body.model_fields_set:
+            body = body.model_copy(update={name: value})
     seed = None if body.seed is None else body.seed % 2**64  # negative: the same 64 bits, unsigned
     vocab = min((v for v in (state.vocab, len(tok) if tok is not None else None) if v), default=2**63)
     bad = next((i for i in body.stop_token_ids if i >= vocab), None)

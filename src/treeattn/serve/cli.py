@@ -38,6 +38,9 @@ def prepare(a: argparse.Namespace) -> str | None:
     if not dist.is_initialized():  # the local launcher (torchrun ranks prepare in their group)
         _listen(a.host, a.port).close()
     model_dir, cfg = check_model(a)
+    pos = getattr(cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg, "max_position_embeddings", None)
+    if a.max_model_len is not None and pos and a.max_model_len > pos:
+        raise UsageError(f"--max-model-len {a.max_model_len} exceeds the model's {pos} positions")
     a.draft_dir = check_draft_model(a, cfg, model_dir) if a.speculate == "draft" else None
     return model_dir
 
@@ -78,12 +81,17 @@ def worker(a: argparse.Namespace, model_dir: str | None, local: bool) -> None:
         return
     import uvicorn
 
-    from .api import ServerState, build_app
+    from .api import ServerState, build_app, generation_defaults
 
     max_pos = getattr(model.config, "max_position_embeddings", None) or (1 << 62)
+    if a.max_model_len is not None:
+        max_pos = min(max_pos, a.max_model_len)
+    defaults = generation_defaults(model) if a.generation_config == "auto" else {}
+    if defaults:
+        say(f"treeattn serve: sampling defaults from the model's generation config: {defaults}")
     state = ServerState(model_name(a), tok, max_pos, engine.vocab, engine.per_rank, a.cache_tokens, a.max_queue,
                         _eos_ids(model, None, True), engine.stats, api_key=a.api_key,
-                        allowed_origins=tuple(a.allowed_origins))  # fmt: skip
+                        allowed_origins=tuple(a.allowed_origins), defaults=defaults)  # fmt: skip
     sock = _listen(a.host, a.port)
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(build_app(state), log_level="info" if a.access_log else "warning",
@@ -142,6 +150,12 @@ def add_parser(sub) -> None:
                    "preset); it needs the model's tokenizer, and keeps a KV cache per drafting request on rank 0")  # fmt: skip
     g.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 429 (default 64)")
     g.add_argument("--access-log", action="store_true", help="log every request (uvicorn's access log)")
+    g.add_argument("--max-model-len", type=at_least(1), default=None,
+                   help="the most positions a request's prompt and answer may take (default: the model's)")
+    g.add_argument("--generation-config", choices=["auto", "none"], default="auto",
+                   help="auto (default, as vLLM): a request that leaves temperature, top_p, top_k, min_p, typical_p "
+                   "or eta_cutoff out samples with the model's generation_config.json values; none: OpenAI's "
+                   "defaults (temperature 1, no cut-off)")  # fmt: skip
     g.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
                    help="CORS: the origins browsers may call this server from (e.g. http://localhost:3000, or *; "
                    "default none: no CORS headers)")  # fmt: skip
