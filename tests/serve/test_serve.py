@@ -597,15 +597,16 @@ def test_completion_logprobs_match_transformers(tiny_server):
 def test_server_with_the_weights_split():
     """``--tp 2``: each rank holds half of every layer's MLP and output projection. Greedy
     answers equal single-process transformers', and requests run together (prompt-lookup
-    drafts, a shared cached prefix, seeded sampling) answer exactly as each alone."""
-    s = Server("--preset", MODEL, "--nproc", "2", "--tp", "2", "--prefill-chunk", "8", "--cache-tokens", "256",
-               "--speculate", "prompt-lookup")  # fmt: skip
+    drafts, a shared cached prefix, seeded sampling, joins long enough that a step's tokens
+    are split over the ranks) answer exactly as each alone."""
+    s = Server("--preset", MODEL, "--nproc", "2", "--tp", "2", "--prefill-chunk", "64", "--cache-tokens", "512",
+               "--speculate", "prompt-lookup")  # fmt: skip  (joins of up to 64 tokens: steps split over the ranks)
     try:
         model = _model()
         g = torch.Generator().manual_seed(4)
         doc = torch.randint(3, 500, (30,), generator=g).tolist()
-        reqs = [{"model": MODEL, "prompt": doc + torch.randint(3, 500, (k,), generator=g).tolist(), "max_tokens": 10,
-                 **({"temperature": 0} if k % 2 else {"temperature": 1.2, "seed": k})} for k in range(1, 7)]  # fmt: skip
+        reqs = [{"model": MODEL, "prompt": doc + torch.randint(3, 500, (7 * k,), generator=g).tolist(), "max_tokens": 10,
+                 **({"temperature": 0} if k % 2 else {"temperature": 1.2, "seed": k})} for k in range(1, 9)]  # fmt: skip
         alone = []
         for r in reqs:
             st, body = s.request("POST", "/v1/completions", r)

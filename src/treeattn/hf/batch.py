@@ -16,12 +16,15 @@ come from a plan every rank received.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ..cache import Placement, RowCache
 from ..comm.collectives import world
+from ..parallel.tensor import sharded_tokens
 from . import _model as S
 from ._cascade import PrefixGroup, RowsStep, Shape
 from ._split import cuts, gather_rows
@@ -201,7 +204,8 @@ class BatchRunner:
                        wide=wide)  # fmt: skip
         tc = TreeAttnCache(_Lens(self.rows.L, pos.min().reshape(1)))
         tc.ctx = ctx
-        with self._switch():
+        split = sharded_tokens([cut[r + 1] - cut[r] for r in range(self.p)]) if cut else contextlib.nullcontext()
+        with self._switch(), split:  # split: each rank runs its cut of the tokens (tensor-parallel layers gather them)
             hidden = self.decoder(input_ids=torch.tensor([ids[a:b]], device=self.device),
                                   position_ids=pos[None, a:b].to(self.device), **S.cache_kw(self.decoder, tc),
                                   use_cache=True, treeattn_ctx=ctx).last_hidden_state[0]  # fmt: skip
