@@ -32,23 +32,25 @@ def main() -> None:
     texts = [doc + q for q in QUESTIONS]
     kinds = {"weights whole": [], f"weights split (--tp {a.nproc})": ["--tp", str(a.nproc)]}
     servers, clients, alone = {}, {}, None
-    for name, extra in kinds.items():
-        s = servers[name] = Server(gguf, a.nproc, "--max-batch", "8", "--max-queue", "32", *extra)
-        c = clients[name] = openai.OpenAI(base_url=s.url + "/v1", api_key="-", max_retries=0, timeout=3600)
-        ask(c, s.name, texts[0], 2)  # the document is prefilled once, then cached
-        if alone is None:
-            alone = [ask(c, s.name, t, a.max_new_tokens)["text"] for t in texts]
-    rate = {k: [] for k in kinds}
-    same = dict.fromkeys(kinds, 0)
-    for r in range(a.rounds):
-        for name in list(kinds)[:: 1 if r % 2 == 0 else -1]:
-            got, wall = together(clients[name], servers[name].name, texts, a.max_new_tokens)
-            rate[name].append(sum(g["tokens"] for g in got) / wall)
-            same[name] += sum(g["text"] == x for g, x in zip(got, alone, strict=True))
-        print(f"round {r}: " + "; ".join(f"{k} {v[-1]:.1f} tok/s" for k, v in rate.items()), flush=True)
-    peaks = {k: s.peak_mib() for k, s in servers.items()}
-    for s in servers.values():
-        s.close()
+    try:  # the servers go whatever happens (a failed round must not leave ranks running)
+        for name, extra in kinds.items():
+            s = servers[name] = Server(gguf, a.nproc, "--max-batch", "8", "--max-queue", "32", *extra)
+            c = clients[name] = openai.OpenAI(base_url=s.url + "/v1", api_key="-", max_retries=0, timeout=3600)
+            ask(c, s.name, texts[0], 2)  # the document is prefilled once, then cached
+            if alone is None:
+                alone = [ask(c, s.name, t, a.max_new_tokens)["text"] for t in texts]
+        rate = {k: [] for k in kinds}
+        same = dict.fromkeys(kinds, 0)
+        for r in range(a.rounds):
+            for name in list(kinds)[:: 1 if r % 2 == 0 else -1]:
+                got, wall = together(clients[name], servers[name].name, texts, a.max_new_tokens)
+                rate[name].append(sum(g["tokens"] for g in got) / wall)
+                same[name] += sum(g["text"] == x for g, x in zip(got, alone, strict=True))
+            print(f"round {r}: " + "; ".join(f"{k} {v[-1]:.1f} tok/s" for k, v in rate.items()), flush=True)
+        peaks = {k: s.peak_mib() for k, s in servers.items()}
+    finally:
+        for s in servers.values():
+            s.close()
     print(f"\n{a.doc}, p={a.nproc}, 8 clients at once, {a.max_new_tokens} new tokens at most, greedy, --max-batch 8; "
           f"{a.rounds} rounds, the servers taking turns\n")  # fmt: skip
     print("| server | tokens/s (rounds) | median | vs weights whole | answers same as alone | peak MiB per rank |")
