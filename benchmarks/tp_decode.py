@@ -4,7 +4,8 @@
 The real SmolLM2-135M-Instruct model (float32, packed linears: the CLI's default), the GPL-3 text
 and a question (~7.7k tokens), greedy, ``--max-new-tokens`` tokens. Each round runs transformers
 (``--threads`` threads, packed linears too), then treeattn whole, then treeattn split, each in a
-fresh launch (so each rank's peak memory is its own), ``--runs`` rounds alternating. ms/token:
+fresh launch (so each rank's peak memory is its own; split: each rank reads only its shards of
+the checkpoint, ``load_split``), ``--runs`` rounds alternating. ms/token:
 the time after the first token over the tokens after it (treeattn: the slowest rank); TTFT: the
 prefill and the first token; peak memory: each rank's resident peak (VmHWM). Not a test: it
 prints what it measured, the medians and every run.
@@ -35,14 +36,11 @@ def treeattn_run(model_dir, ids, new, split, outdir):
     import torch
     import torch.distributed as dist
 
-    from treeattn.hf import generate
+    from treeattn.hf import generate, load_split
     from treeattn.hf.linear import pack_linears
     from treeattn.hf.models import load_model
-    from treeattn.hf.tensor_parallel import tensor_parallel
 
-    model = load_model(model_dir)[0]
-    if split:
-        tensor_parallel(model)
+    model = (load_split if split else load_model)(model_dir)[0]  # split: each rank reads its shards only
     pack_linears(model)
     info = {}
     out = generate(model, ids, max_new_tokens=new, info=info)

@@ -143,16 +143,24 @@ def session_kwargs(a: argparse.Namespace) -> dict:
 def rank_model(a: argparse.Namespace, model_dir: str | None, spec: str | None = None, split: bool = True) -> tuple:
     """On a rank: (model, tokenizer or None) of ``model_dir`` (None: the preset or hub id
     ``spec``, default ``--preset``), in ``--dtype``, on this rank's device, its weights split
-    over the ranks with ``--tp`` (and ``split``: :func:`treeattn.hf.tensor_parallel`); on CPU
+    over the ranks with ``--tp`` (and ``split``: :func:`treeattn.hf.tensor_parallel`; from a
+    directory each rank reads only its shards, :func:`treeattn.hf.load_split`); on CPU
     the decode kernel is built (or loaded) here, before any timing starts, and with ``--linear
     packed`` the float32 linears are packed (:func:`treeattn.hf.linear.pack_linears`)."""
     from .hf.presets import build_model
 
-    model, tok = build_model(a.preset if spec is None else spec, model_dir, getattr(torch, a.dtype), a.seed)
+    dtype = getattr(torch, a.dtype)
     if split and spec is None and getattr(a, "tp", 1) > 1:  # a draft model (spec) runs whole on rank 0
+        from .hf.split_load import load_split
         from .hf.tensor_parallel import tensor_parallel
 
-        tensor_parallel(model)
+        if model_dir:  # each rank reads its shards of the checkpoint only
+            model, tok = load_split(model_dir, dtype)
+        else:
+            model, tok = build_model(a.preset, None, dtype, a.seed)
+            tensor_parallel(model)
+    else:
+        model, tok = build_model(a.preset if spec is None else spec, model_dir, dtype, a.seed)
     if a.device == "cuda":  # one GPU per rank
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(dev)

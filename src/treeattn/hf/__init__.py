@@ -5,6 +5,8 @@ from .attention import ATTN_NAME, StepContext, TreeAttnCache, treeattn_attention
 from .families import unsupported_reason
 from .generate import generate
 from .session import Session
+from .split_load import load_split
+from .tensor_parallel import tensor_parallel
 
 __all__ = [
     "ATTN_NAME",
@@ -12,6 +14,8 @@ __all__ = [
     "StepContext",
     "TreeAttnCache",
     "generate",
+    "load_split",
+    "tensor_parallel",
     "treeattn_attention",
     "unsupported_reason",
 ]

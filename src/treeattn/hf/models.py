@@ -200,19 +200,22 @@ def load_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32)
 
 def memory_plan(config, *, prompt_len: int, max_new_tokens: int, nproc: int, batch: int = 1,
                 dtype: torch.dtype = torch.float32, prefill_chunk: int | None = 1024,
-                n_params: int | None = None) -> dict[str, int]:  # fmt: skip
-    """Estimated bytes per rank of a generation: ``weights`` (every rank holds the whole
-    model), ``kv_cache`` (this rank's share of ``prompt_len + max_new_tokens`` tokens) and
-    ``activations`` (one prefill chunk through the widest layer, plus the gathered queries
-    and states of Tree prefill), and their ``total``."""
+                n_params: int | None = None, tp: int = 1) -> dict[str, int]:  # fmt: skip
+    """Estimated bytes per rank of a generation: ``weights`` (the whole model on every rank,
+    or with ``tp`` > 1 its MLP and attention output projections split over ``tp`` ranks, as
+    :func:`treeattn.hf.tensor_parallel` splits them), ``kv_cache`` (this rank's share of
+    ``prompt_len + max_new_tokens`` tokens) and ``activations`` (one prefill chunk through the
+    widest layer, plus the gathered queries and states of Tree prefill), and their ``total``.
+    ``n_params`` (the whole model's, counted elsewhere) is taken as is, split or not."""
     c = config.get_text_config() if hasattr(config, "get_text_config") else config
     es = torch.finfo(dtype).bits // 8
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     if n_params is None:  # embeddings (+ head unless tied) and per layer attention + gated MLP
         emb = c.vocab_size * c.hidden_size
-        attn = c.hidden_size * hd * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
-        mlp = 3 * c.hidden_size * c.intermediate_size
-        n_params = emb * (1 if getattr(c, "tie_word_embeddings", False) else 2) + c.num_hidden_layers * (attn + mlp)
+        qkv = c.hidden_size * hd * (c.num_attention_heads + 2 * c.num_key_value_heads)
+        split = c.hidden_size * hd * c.num_attention_heads + 3 * c.hidden_size * c.intermediate_size
+        layer = qkv + -(-split // tp)
+        n_params = emb * (1 if getattr(c, "tie_word_embeddings", False) else 2) + c.num_hidden_layers * layer
     tokens = -(-(prompt_len + max_new_tokens) // nproc) + 16
     kv = c.num_hidden_layers * batch * c.num_key_value_heads * 2 * hd * tokens * es
     share = -(-prompt_len // nproc)

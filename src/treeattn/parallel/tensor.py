@@ -82,6 +82,7 @@ class Tokens:
             pad = x if x.shape[-2] == n else torch.cat([x, x.new_zeros(*x.shape[:-2], n - x.shape[-2], x.shape[-1])], -2)
             g = all_gather(pad.contiguous(), self.group)  # [p, ..., n, C]
             out = torch.cat([g[r, ..., :c, :] for r, c in enumerate(counts)], -2)
+        memo.clear()  # one gathered input alive at a time (the layers read it right away), not one per layer
         memo[id(self)] = (x, out)
         return out
 
@@ -139,6 +140,10 @@ class ColumnParallel(nn.Module):
         y = self.inner(x)
         return y if self.bias is None else y + self.bias
 
+    def shards(self) -> dict[str, tuple[str, tuple]]:
+        """Each parameter's name -> (its whole tensor's name in the wrapped linear, this rank's index)."""
+        return {"inner.weight": ("weight", (slice(self.lo, self.hi),)), "bias": ("bias", (slice(self.lo, self.hi),))}
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features} (rows {self.lo}:{self.hi} of {self.whole})"
 
@@ -168,6 +173,10 @@ class RowParallel(nn.Module):
         else:
             y = all_reduce(self.inner(x).contiguous(), dist.ReduceOp.SUM, self.group)
         return y if self.bias is None else y + self.bias
+
+    def shards(self) -> dict[str, tuple[str, tuple]]:
+        """Each parameter's name -> (its whole tensor's name in the wrapped linear, this rank's index)."""
+        return {"inner.weight": ("weight", (slice(None), slice(self.lo, self.hi))), "bias": ("bias", ())}
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features} (columns {self.lo}:{self.hi} here), out_features={self.out_features}"
