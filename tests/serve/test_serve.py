@@ -628,6 +628,50 @@ def test_server_with_the_weights_split():
         s.kill()
 
 
+def _metrics(s) -> dict:
+    """``GET /metrics`` (no API key) parsed: sample name with its labels -> value."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(s.url + "/metrics", timeout=60) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    return {(x.name, tuple(sorted(x.labels.items()))): x.value for f in text_string_to_metric_families(text)
+            for x in f.samples}  # fmt: skip
+
+
+def test_metrics(tiny_server):
+    """``/metrics``: each request observed once in the latency histograms (the inter-token one
+    once per token after the first), the token and prefix-cache counters moved by what the
+    request's usage reports, nothing left running or waiting, the K/V bound shown."""
+    s = tiny_server
+    before = _metrics(s)
+    ids = [61, 62, 63, 64, 65, 66, 67]
+    st, body = s.request("POST", "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 6,
+                                                     "temperature": 0, "ignore_eos": True})  # fmt: skip
+    assert st == 200, body
+    after = _metrics(s)
+    P = "treeattn:"
+
+    def grew(name, labels=()):
+        return after[(P + name, labels)] - before.get((P + name, labels), 0.0)
+
+    n, u = 6, body["usage"]
+    assert u["completion_tokens"] == n
+    for h in ("time_to_first_token_seconds", "request_queue_time_seconds", "e2e_request_latency_seconds"):
+        assert grew(h + "_count") == 1, h
+        assert 0 < grew(h + "_sum") < 60, h
+    assert grew("inter_token_latency_seconds_count") == n - 1
+    assert grew("request_success_total", (("finished_reason", "length"),)) == 1
+    assert grew("generation_tokens_total") == n and grew("prompt_tokens_total") == len(ids)
+    assert grew("prefix_cache_queries_total") == len(ids)
+    assert grew("prefix_cache_hits_total") == u["prompt_tokens_details"]["cached_tokens"]
+    assert after[(P + "num_requests_running", ())] == 0 and after[(P + "num_requests_waiting", ())] == 0
+    assert after[(P + "kv_cache_capacity_tokens", ())] == 64
+    assert 0 < after[(P + "kv_cache_usage_tokens", ())] <= 64
+
+
 def test_n_choices(tiny_server):
     """``n`` > 1: one request, n choices (one row each), the prompt prefilled once (the other
     choices read its cached K/V); greedy choices equal the answer alone, a seeded choice i the
@@ -717,6 +761,21 @@ def test_cli_errors_before_any_rank_starts():
     assert r.returncode == 2 and "--max-model-len 2000000 exceeds the model's 1048576 positions" in r.stderr, r.stderr
     r = serve("--tp", "3", "--nproc", "2")
     assert r.returncode == 2 and "--tp 3: the weights split over 1 rank (whole) or every rank (2)" in r.stderr, r.stderr
+    r = serve("--chat-template", "/no/such/template.jinja")
+    assert r.returncode == 2 and "no such file, and not a Jinja template" in r.stderr, r.stderr
+    r = serve("--chat-template", "{% for m in messages %}{{ m.content }}")  # the for is never closed
+    assert r.returncode == 2 and "not a valid Jinja template" in r.stderr, r.stderr
+    r = serve("--chat-template", "{{ messages[0].content }}")
+    assert r.returncode == 2 and "a preset has none" in r.stderr, r.stderr
+
+
+def test_chat_template_from_a_file_or_inline(tmp_path):
+    from treeattn.serve.cli import chat_template
+
+    t = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    f = tmp_path / "t.jinja"
+    f.write_text(t)
+    assert chat_template(str(f)) == t and chat_template(t) == t and chat_template(None) is None
 
 
 def test_generation_config_defaults_and_max_model_len():

@@ -43,10 +43,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
 
+from .metrics import Metrics
 from .request import Request as Job
 from .responses import ErrorJSON as _ErrorJSON
 from .responses import stream_answer, whole_answer
@@ -222,6 +223,7 @@ class _Auth:
 
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="treeattn serve", docs_url=None, redoc_url=None)
+    metrics = Metrics(state)
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):
@@ -265,6 +267,10 @@ def build_app(state: ServerState) -> FastAPI:
             body["error"] = state.failed
         return JSONResponse(body, status_code=200 if state.failed is None else 503)
 
+    @app.get("/metrics")
+    async def _metrics():  # Prometheus' text format (no API key, as /health)
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
@@ -287,6 +293,7 @@ def build_app(state: ServerState) -> FastAPI:
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         for i, job in enumerate(jobs):  # one queue for the choices' events, each tagged with its index
             job.emit = lambda kind, data, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, kind, data))
+            metrics.watch(job)
         with state.lock:
             if state.requests.qsize() + len(jobs) > state.max_queue:
                 raise ApiError(429, f"the queue is full ({state.max_queue} requests waiting); retry later",

@@ -42,7 +42,34 @@ def prepare(a: argparse.Namespace) -> str | None:
     if a.max_model_len is not None and pos and a.max_model_len > pos:
         raise UsageError(f"--max-model-len {a.max_model_len} exceeds the model's {pos} positions")
     a.draft_dir = check_draft_model(a, cfg, model_dir) if a.speculate == "draft" else None
+    a.chat_template = chat_template(a.chat_template)
+    if a.chat_template is not None and not model_dir:
+        raise UsageError("--chat-template needs a model with a tokenizer (--model); a preset has none")
     return model_dir
+
+
+def chat_template(spec: str | None) -> str | None:
+    """``--chat-template``: a file's text, or the template itself (vLLM's two forms), parsed
+    once here so that a broken one stops the server before any rank starts."""
+    if spec is None:
+        return None
+    path = Path(spec).expanduser()
+    if path.is_file():
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--chat-template {spec}: cannot read the file ({e})") from e
+    elif "{{" in spec or "{%" in spec:
+        text = spec
+    else:
+        raise UsageError(f"--chat-template {spec}: no such file, and not a Jinja template (no {{{{ or {{%)")
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise UsageError(f"--chat-template: not a valid Jinja template (line {e.lineno}: {e.message})") from e
+    return text
 
 
 def model_name(a: argparse.Namespace) -> str:
@@ -82,6 +109,9 @@ def worker(a: argparse.Namespace, model_dir: str | None, local: bool) -> None:
     import uvicorn
 
     from .api import ServerState, build_app, generation_defaults
+
+    if a.chat_template is not None and tok is not None:  # no tokenizer: chat requests get their 400 as before
+        tok.chat_template = a.chat_template
 
     max_pos = getattr(model.config, "max_position_embeddings", None) or (1 << 62)
     if a.max_model_len is not None:
@@ -133,6 +163,8 @@ def add_parser(sub) -> None:
         "forward per step, their queries reading a shared prefix once (FIFO admission).",
     )
     add_model_args(g)
+    g.add_argument("--chat-template", help="the chat template for /v1/chat/completions (a file, or the Jinja "
+                   "template itself), in place of the tokenizer's own (default: the tokenizer's)")
     g.add_argument("--served-model-name", help="the model name clients send (default: the model's file or dir name)")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this host only)")
     g.add_argument("--port", type=at_least(0), default=8000, help="port (default 8000; 0: any free port)")
