@@ -151,7 +151,7 @@ def attention_with_lse(
             each KV head for all its query heads, pure-PyTorch fallback without a compiler;
             CPU, float32/bfloat16/float16), ``"fused_cuda"`` (flash-attn / PyTorch's fused
             CUDA kernels that return the log-sum-exp; CUDA), or ``"auto"`` (the faster exact
-            one for the call; the measurements are beside ``ops.kernels.pick`` and in the README),
+            one for the call; the measurements are beside ``ops.kernels.pick`` and in docs/backends.md and docs/gpu.md),
             ``"triton"`` (split-KV flash attention in Triton: the G query heads of a KV
             head share every K/V load, per-row key bounds, softcap; CUDA, or CPU under
             ``TRITON_INTERPRET=1``; float16/bfloat16/float32; what ``auto`` picks on CUDA

@@ -154,6 +154,24 @@ def _token_name(state: ServerState):
     return lambda i: tok.decode([i], skip_special_tokens=False)
 
 
+def _streamer(tok):
+    """A maker of incremental decoders (tokenizers' ``DecodeStream``) for a fast tokenizer whose
+    decode does no clean-up of spaces (then the two agree, as the tests check); else None."""
+    backend = getattr(tok, "_tokenizer", None)
+    if backend is None or getattr(tok, "clean_up_tokenization_spaces", True) is not False:
+        return None
+    try:
+        from tokenizers.decoders import DecodeStream
+    except ImportError:  # tokenizers before 0.21
+        return None
+
+    def start():
+        ds = DecodeStream(skip_special_tokens=True)
+        return lambda t: ds.step(backend, t) or ""
+
+    return start
+
+
 def _jobs(state: ServerState, body) -> list[Job]:
     """The engine's requests for ``body``: one per choice (``n``); with a ``seed``, choice i
     samples with ``seed + i`` (so each choice is the answer that seed alone gives)."""
@@ -189,6 +207,8 @@ def _job(state: ServerState, body) -> Job:
     def decode(t):
         return tok.decode(t, skip_special_tokens=True) if tok is not None else "".join(f"<{i}>" for i in t)
 
+    stream = _streamer(tok)
+
     for name, value in state.defaults.items():  # what the request left out: the model's generation config
         if name not in body.model_fields_set:
             body = body.model_copy(update={name: value})
@@ -198,7 +218,7 @@ def _job(state: ServerState, body) -> Job:
     if bad is not None:
         raise ApiError(400, f"stop_token_ids must lie in [0, {vocab}), got {bad}", param="stop_token_ids")
     eos = [] if body.ignore_eos else list(state.eos)
-    return Job(ids, new, emit=None, decode=decode, temperature=body.temperature, top_p=body.top_p, seed=seed,
+    return Job(ids, new, emit=None, decode=decode, stream=stream, temperature=body.temperature, top_p=body.top_p, seed=seed,
                top_k=body.top_k if body.top_k > 0 else None, min_p=body.min_p or None, typical_p=body.typical_p,
                eta_cutoff=body.eta_cutoff or None, logprobs=logprobs, stop=[s for s in stop if s],
                eos=eos + [i for i in body.stop_token_ids if i not in eos])  # fmt: skip

@@ -21,12 +21,18 @@ class Request:
     also ``("logprobs", [(token, logprob, [(alternative, logprob), ...]), ...])`` before the
     text event its tokens belong to (the rest before ``end``): natural-log probabilities under
     the model's own distribution (its log-softmax, before any sampling warper), one entry per
-    completion token, EOS included."""
+    completion token, EOS included.
+
+    ``stream`` (when the tokenizer's incremental decoding equals its whole decode): makes a
+    decoder that takes the completion's tokens one by one and returns each one's new text, so
+    a token costs its own decoding rather than the whole answer's; the answer's final text is
+    ``decode`` of the whole, as without it."""
 
     ids: list[int]
     max_tokens: int
     emit: Callable[[str, object], None]
     decode: Callable[[list[int]], str]
+    stream: Callable[[], Callable[[int], str]] | None = None  # a new incremental decoder (None: ``decode`` each token)
     temperature: float = 1.0
     top_p: float | None = None
     seed: int | None = None

@@ -26,6 +26,7 @@ from __future__ import annotations
 import queue
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -58,6 +59,8 @@ class Job:
     draft: list[int] = field(default_factory=list)  # drafted after ``last`` in the running step
     kind: int = 0  # how far back that draft's match agrees (prompt lookup's evidence)
     lps: list = field(default_factory=list)  # logprob entries not sent yet
+    text: str = ""  # the answer's text so far, with an incremental decoder
+    step: Callable[[int], str] | None = None  # that decoder
 
     def take(self, tok: int, logits=None) -> None:
         """Append a sampled token (``logits`` ``[V]``: the distribution it was chosen from, for
@@ -71,7 +74,7 @@ class Job:
             finish = "stop"
         elif len(self.out) == req.max_tokens:
             finish = "length"
-        text = req.decode(self.out[:-1] if tok in req.eos else self.out)
+        text = self._text(tok, finish is not None)
         hold = max((len(s) for s in req.stop), default=0)
         cut = first_stop(text, req.stop, max(0, len(self.sent) - hold))
         if cut is not None:
@@ -86,6 +89,20 @@ class Job:
             req.emit("text", safe[len(self.sent) :])
             self.sent = safe
         self.finish, self.last = finish, tok
+
+
+    def _text(self, tok: int, last: bool) -> str:
+        """The answer's text so far (EOS adds none): incremental while it runs, when the
+        request has a stream; the whole decode at the end (exact, a trailing partial character
+        included)."""
+        req, own = self.req, self.out[:-1] if tok in self.req.eos else self.out
+        if req.stream is None or last:
+            return req.decode(own)
+        if self.step is None:
+            self.step = req.stream()
+        if tok not in req.eos:
+            self.text += self.step(tok)
+        return self.text
 
 
 def logprob_entry(logits, tok: int, top: int) -> tuple:
