@@ -24,6 +24,7 @@ demo: $(STAMP)
 	$(PY) -m treeattn demo
 
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
 # the GPU suite (a CUDA machine: `make test-gpu TORCH_SPEC=torch`); fails, rather than skips,
@@ -34,6 +35,7 @@ test-gpu: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV)

@@ -112,7 +112,7 @@ def test_temperature_0_samples_greedily():
     """``--sample --temperature 0`` is greedy decoding (as the server and OpenAI's API), so
     ``--compare-single`` may check it."""
     from treeattn.cli import build_parser
-    from treeattn.hf.cli import prepare
+    from treeattn.cli.generate import prepare
 
     a = build_parser().parse_args(["generate", "--preset", "tiny-llama", "--prompt-ids", "1,2", "--sample",
                                    "--temperature", "0", "--compare-single"])  # fmt: skip

@@ -103,7 +103,7 @@ def test_other_dtypes_and_devices_are_left_alone():
 
 @pytest.mark.parametrize("flag,packed", [([], True), (["--linear", "torch"], False)])
 def test_cli_linear_flag(flag, packed):
-    from treeattn.model_cli import add_model_args, rank_model
+    from treeattn.cli.model import add_model_args, rank_model
 
     ap = argparse.ArgumentParser()
     add_model_args(ap)

@@ -31,7 +31,7 @@ OBJECT_COLLECTIVES = {
 }
 PICKLERS = {"pickle", "_pickle", "cPickle", "cloudpickle", "dill", "shelve", "marshal"}
 # the command-line entry points may create a process group; library code never does
-MAY_INIT = {"launch.py", "cli.py", "hf/cli.py", "serve/cli.py"}
+MAY_INIT = {"launch.py", "cli/model.py"}
 
 
 def _is_true(node: ast.AST | None) -> bool:

@@ -770,7 +770,7 @@ def test_cli_errors_before_any_rank_starts():
 
 
 def test_chat_template_from_a_file_or_inline(tmp_path):
-    from treeattn.serve.cli import chat_template
+    from treeattn.cli.serve import chat_template
 
     t = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
     f = tmp_path / "t.jinja"

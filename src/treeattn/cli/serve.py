@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from .._argtypes import at_least
 from ..config import Serving, Speculation, add_arguments
-from ..model_cli import (
+from ..serve.plan import MAX_DRAFT
+from .model import (
     UsageError,
     add_model_args,
     check_draft_args,
@@ -26,7 +27,6 @@ from ..model_cli import (
     say,
     session_kwargs,
 )
-from .plan import MAX_DRAFT
 
 
 def prepare(a: argparse.Namespace) -> str | None:
@@ -91,7 +91,7 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def worker(a: argparse.Namespace, model_dir: str | None, local: bool) -> None:
     from ..hf.generate import _eos_ids
-    from .engine import Engine, RankFailure
+    from ..serve.engine import Engine, RankFailure
 
     rank, p = dist.get_rank(), dist.get_world_size()
     if local:  # the launcher owns Ctrl-C: it stops every rank
@@ -108,7 +108,7 @@ def worker(a: argparse.Namespace, model_dir: str | None, local: bool) -> None:
         return
     import uvicorn
 
-    from .api import ServerState, build_app, generation_defaults
+    from ..serve.api import ServerState, build_app, generation_defaults
 
     if a.chat_template is not None and tok is not None:  # no tokenizer: chat requests get their 400 as before
         tok.chat_template = a.chat_template

@@ -14,8 +14,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ._argtypes import at_least, positive_float
-from .config import Layout, add_arguments, from_args
+from .._argtypes import at_least, positive_float
+from ..config import Layout, add_arguments, from_args
 
 
 class UsageError(ValueError):
@@ -30,7 +30,7 @@ def say(msg: str) -> None:
 def add_model_args(g: argparse.ArgumentParser, *, cuda_graph: bool = False) -> None:
     """The model, its dtype and the ranks, and the :class:`~treeattn.config.Layout` (its
     ``--cuda-graph`` with ``cuda_graph``): the arguments both commands take."""
-    from .hf.presets import PRESETS
+    from ..hf.presets import PRESETS
 
     src = g.add_mutually_exclusive_group()
     src.add_argument("--model", help="a local model directory (safetensors), a .gguf file (converted once into "
@@ -61,7 +61,7 @@ def model_config(spec: str) -> tuple:
     """(directory, config) of a ``--model`` argument; UsageError when it cannot be found."""
     from transformers import AutoConfig
 
-    from .hf.models import ModelNotFound, resolve_model
+    from ..hf.models import ModelNotFound, resolve_model
 
     try:
         d = str(resolve_model(spec, log=say))
@@ -74,8 +74,8 @@ def check_model(a: argparse.Namespace) -> tuple:
     """(directory or None for a preset, config) of ``--model``/``--preset``; UsageError for a
     model that cannot be found or that treeattn cannot run, or a ``--tp`` that is neither 1
     nor the number of ranks."""
-    from .hf.families import unsupported_reason
-    from .hf.presets import preset_config
+    from ..hf.families import unsupported_reason
+    from ..hf.presets import preset_config
 
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else a.nproc
     if a.tp not in (1, world):
@@ -103,7 +103,7 @@ def check_draft_model(a: argparse.Namespace, cfg, model_dir: str | None) -> str 
     config ``cfg`` (its vocabulary) and tokenizer before any rank starts."""
     from transformers import AutoTokenizer
 
-    from .hf.presets import PRESETS, preset_config
+    from ..hf.presets import PRESETS, preset_config
 
     if a.draft_model in PRESETS:
         d, dcfg = None, preset_config(a.draft_model)
@@ -147,12 +147,12 @@ def rank_model(a: argparse.Namespace, model_dir: str | None, spec: str | None = 
     directory each rank reads only its shards, :func:`treeattn.hf.load_split`); on CPU
     the decode kernel is built (or loaded) here, before any timing starts, and with ``--linear
     packed`` the float32 linears are packed (:func:`treeattn.hf.linear.pack_linears`)."""
-    from .hf.presets import build_model
+    from ..hf.presets import build_model
 
     dtype = getattr(torch, a.dtype)
     if split and spec is None and getattr(a, "tp", 1) > 1:  # a draft model (spec) runs whole on rank 0
-        from .hf.split_load import load_split
-        from .hf.tensor_parallel import tensor_parallel
+        from ..hf.split_load import load_split
+        from ..hf.tensor_parallel import tensor_parallel
 
         if model_dir:  # each rank reads its shards of the checkpoint only
             model, tok = load_split(model_dir, dtype)
@@ -166,11 +166,11 @@ def rank_model(a: argparse.Namespace, model_dir: str | None, spec: str | None = 
         torch.cuda.set_device(dev)
         model = model.to(dev)
     else:
-        from .ops._decode_cpu import kernel_available
+        from ..ops._decode_cpu import kernel_available
 
         kernel_available()
         if getattr(a, "linear", "torch") == "packed":
-            from .hf.linear import pack_linears
+            from ..hf.linear import pack_linears
 
             pack_linears(model)
     return model, tok
@@ -186,7 +186,7 @@ def run_ranks(cmd: str, a: argparse.Namespace, worker: Callable, prepare: Callab
     (``local`` True); Ctrl-C or SIGTERM stop every rank and give ``stopped_status``. A
     :class:`UsageError` gives 2 (one line on stderr), a failed rank 1.
     """
-    from .launch import LaunchError, launch, torchrun_group, under_torchrun
+    from ..launch import LaunchError, launch, torchrun_group, under_torchrun
 
     backend = "nccl" if a.device == "cuda" else "gloo"
     if under_torchrun():
@@ -208,7 +208,7 @@ def run_ranks(cmd: str, a: argparse.Namespace, worker: Callable, prepare: Callab
     try:
         job = prepare(a)
         if a.device == "cpu":  # build (or load) the decode kernel once, before the ranks start
-            from .ops._decode_cpu import kernel_available
+            from ..ops._decode_cpu import kernel_available
 
             kernel_available()
         launch(worker, a.nproc, (a, job, True), threads=a.threads, timeout=timeout,

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from .._argtypes import at_least, positive_float
 from ..config import Sampling, Speculation, add_arguments, from_args
-from ..model_cli import (
+from .model import (
     UsageError,
     add_model_args,
     check_draft_args,
@@ -136,7 +136,7 @@ def prepare(a: argparse.Namespace) -> Job:
 
 
 def _check_fit(a, cfg, L: int, new: int, batch: int) -> None:
-    from .models import available_memory, memory_plan
+    from ..hf.models import available_memory, memory_plan
 
     p, local_ranks = a.nproc, a.nproc
     if "WORLD_SIZE" in os.environ:  # torchrun
@@ -162,8 +162,8 @@ def _check_fit(a, cfg, L: int, new: int, batch: int) -> None:
 
 
 def worker(a: argparse.Namespace, job: Job, local: bool) -> None:
-    from ._model import auto_block
-    from .generate import generate
+    from ..hf._model import auto_block
+    from ..hf.generate import generate
 
     rank, p = dist.get_rank(), dist.get_world_size()
     model, tok = rank_model(a, job.model_dir)

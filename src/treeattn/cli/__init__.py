@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from ._argtypes import at_least, positive_float
-from ._host import available_memory
+from .._argtypes import at_least, positive_float
+from .._host import available_memory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -22,9 +22,9 @@ def _heads_ok(cmd: str, heads: int, kv_heads: int) -> bool:
 
 
 def _core_demo(a: argparse.Namespace) -> int:
-    from .ops.attention import _attention
-    from .ops.energy import tree_reduce
-    from .ops.state import merge_states
+    from ..ops.attention import _attention
+    from ..ops.energy import tree_reduce
+    from ..ops.state import merge_states
 
     if not _heads_ok("merge-demo", a.heads, a.kv_heads):
         return 2
@@ -60,8 +60,8 @@ def _core_demo(a: argparse.Namespace) -> int:
 
 
 def _demo(a: argparse.Namespace) -> int:
-    from .demo import worker
-    from .launch import LaunchError, launch
+    from ..demo import worker
+    from ..launch import LaunchError, launch
 
     if not _heads_ok("demo", a.heads, a.kv_heads or a.heads):
         return 2
@@ -108,17 +108,17 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--timeout", type=positive_float, default=1800.0, help="seconds before the ranks are stopped (default 1800)")
     d.set_defaults(func=_demo)
     try:
-        from .hf.cli import add_parser
+        from .generate import add_parser
     except ImportError:  # transformers not installed: extra [hf]
         g = sub.add_parser("generate", help="(needs: pip install 'treeattn[hf]')")
         g.set_defaults(func=lambda a: print("treeattn generate needs transformers: pip install 'treeattn[hf]'") or 1)
     else:
         add_parser(sub)
-        from .serve.cli import add_parser as add_serve
+        from .serve import add_parser as add_serve
 
         add_serve(sub)
-    from .bench.cli import add_parser as add_bench
-    from .bench.simulate import add_parser as add_simulate
+    from ..bench.cli import add_parser as add_bench
+    from ..bench.simulate import add_parser as add_simulate
 
     add_bench(sub)
     add_simulate(sub)
