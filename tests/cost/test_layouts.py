@@ -59,3 +59,23 @@ def test_table_and_errors():
         step(C, M8, 8, 1024, "pipeline")
     with pytest.raises(ValueError, match="nodes"):
         step(C, M8, 4096, 1024, "tp")
+
+
+def test_pick_tp_is_the_faster_of_the_two_layouts_treeattn_runs():
+    from types import SimpleNamespace
+
+    from treeattn.cost.layouts import pick_tp, shape_of
+
+    c = PRESETS["dgx-h100"]
+    for name, n, seq in (("llama-3.1-8b", 8, 131072), ("llama-3.1-8b", 2, 1 << 20), ("llama-3.1-70b", 8, 131072)):
+        m = MODELS[name]
+        tp, whole, split = pick_tp(c, m, n, seq)
+        assert (whole.layout, split.layout, split.tpa) == ("kvp", "kvp x tp", 1)
+        if whole.fits is False and split.fits:
+            assert tp == n  # only the split fits (70B: 141 GB of weights per rank otherwise)
+        else:
+            assert tp == (n if split.seconds < whole.seconds else 1), (name, n, seq)
+    assert pick_tp(c, MODELS["llama-3.1-8b"], 1, 4096)[0] == 1
+    cfg = SimpleNamespace(model_type="llama", num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
+                          num_key_value_heads=8, intermediate_size=14336, vocab_size=128256)  # fmt: skip
+    assert shape_of(cfg).params() == MODELS["llama-3.1-8b"].params()

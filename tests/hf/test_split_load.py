@@ -5,6 +5,7 @@ gives, each rank reading only its shards (the bytes read counted), greedy tokens
 single-process transformers; a checkpoint without a tensor refused naming it; and the
 ``generate`` CLI from a directory with ``--tp 2`` against its single-process check."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -127,4 +128,12 @@ def test_cli_generate_from_a_directory_with_tp(checkpoints):
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
+    assert "identical to single-process model.generate" in r.stderr, r.stderr
+    r = subprocess.run(
+        [sys.executable, "-m", "treeattn", "generate", "--nproc", "2", "--model", d, "--tp", "auto", "--prompt-ids",
+         "5,9,2,7,1,4,4,8,3,3,6", "--max-new-tokens", "6", "--compare-single"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"--tp auto: [12] \(built-in preset 'local', 17 tokens over 2 ranks", r.stderr), r.stderr
     assert "identical to single-process model.generate" in r.stderr, r.stderr

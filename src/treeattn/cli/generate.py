@@ -20,6 +20,7 @@ from .model import (
     check_draft_model,
     check_model,
     rank_model,
+    resolve_tp,
     run_ranks,
     say,
     session_kwargs,
@@ -127,6 +128,7 @@ def prepare(a: argparse.Namespace) -> Job:
         if L + new > max_pos:
             new = max_pos - L
             notes.append(f"max_new_tokens lowered to {new} (the model supports {max_pos:,} positions)")
+    resolve_tp(a, cfg, L + new)
     _check_fit(a, cfg, L, new, ids.shape[0])
     if (a.speculate or a.penalty_alpha) and ids.shape[0] > 1:
         what = "--speculate" if a.speculate else "--penalty-alpha"

@@ -40,10 +40,11 @@ def add_model_args(g: argparse.ArgumentParser, *, cuda_graph: bool = False) -> N
                      help="random-weight config (default tiny-llama)")  # fmt: skip
     g.add_argument("--nproc", type=at_least(1), default=2, help="local ranks to launch (ignored under torchrun)")
     add_arguments(g, Layout, skip=() if cuda_graph else ("cuda_graph",))
-    g.add_argument("--tp", type=at_least(1), default=1,
+    g.add_argument("--tp", type=_tp, default=1,
                    help="ranks each layer's MLP and attention output weights are split over: 1 (default: every rank "
                    "holds and reads them whole) or every rank (--nproc, or torchrun's world): each reads 1/p of them "
-                   "per step, with two small all-reduces per layer")  # fmt: skip
+                   "per step, with two small all-reduces per layer; auto: whichever the cost model "
+                   "(treeattn.cost.layouts.pick_tp, $TREEATTN_PROFILE or the built-in preset) says decodes faster")  # fmt: skip
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     g.add_argument("--seed", type=int, default=0,
                    help="the random weights of a --preset (generate: also sampling, --prompt-len prompts)")  # fmt: skip
@@ -70,6 +71,30 @@ def model_config(spec: str) -> tuple:
     return d, AutoConfig.from_pretrained(d, local_files_only=True, trust_remote_code=False)
 
 
+def _tp(s: str) -> int | str:
+    return "auto" if s == "auto" else at_least(1)(s)
+
+
+def resolve_tp(a: argparse.Namespace, cfg, tokens: int) -> None:
+    """``--tp auto`` -> 1 or the number of ranks, by the cost model for ``tokens`` tokens in the
+    cache (every rank decides alike: the same config, preset and profile)."""
+    if a.tp != "auto":
+        return
+    from ..cost.layouts import pick_tp, shape_of
+    from ..cost.profile import resolve
+
+    world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else a.nproc
+    cluster, where = resolve(None, "nccl" if a.device == "cuda" else "gloo")
+    es = torch.finfo(getattr(torch, a.dtype)).bits // 8
+    try:
+        a.tp, whole, split = pick_tp(cluster, shape_of(cfg), world, max(tokens, 1), dtype_bytes=es)
+    except ValueError as e:  # a cluster of fewer ranks
+        raise UsageError(f"--tp auto: {e}") from e
+    if int(os.environ.get("RANK", "0")) == 0:
+        say(f"--tp auto: {a.tp} ({where}, {tokens:,} tokens over {world} ranks: weights whole "
+            f"{1e3 * whole.seconds:.2f} ms/token, split {1e3 * split.seconds:.2f})")  # fmt: skip
+
+
 def check_model(a: argparse.Namespace) -> tuple:
     """(directory or None for a preset, config) of ``--model``/``--preset``; UsageError for a
     model that cannot be found or that treeattn cannot run, or a ``--tp`` that is neither 1
@@ -78,7 +103,7 @@ def check_model(a: argparse.Namespace) -> tuple:
     from ..hf.presets import preset_config
 
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else a.nproc
-    if a.tp not in (1, world):
+    if a.tp not in (1, world, "auto"):
         raise UsageError(f"--tp {a.tp}: the weights split over 1 rank (whole) or every rank ({world}), not {a.tp}")
 
     model_dir, cfg = model_config(a.model) if a.model else (None, preset_config(a.preset))

@@ -23,6 +23,7 @@ from .model import (
     check_draft_model,
     check_model,
     rank_model,
+    resolve_tp,
     run_ranks,
     say,
     session_kwargs,
@@ -41,6 +42,9 @@ def prepare(a: argparse.Namespace) -> str | None:
     pos = getattr(cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg, "max_position_embeddings", None)
     if a.max_model_len is not None and pos and a.max_model_len > pos:
         raise UsageError(f"--max-model-len {a.max_model_len} exceeds the model's {pos} positions")
+    world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else a.nproc
+    # --tp auto for the K/V the server may hold (--cache-tokens on every rank), else one long request
+    resolve_tp(a, cfg, a.cache_tokens * world if a.cache_tokens else min(a.max_model_len or pos or 32768, 32768))
     a.draft_dir = check_draft_model(a, cfg, model_dir) if a.speculate == "draft" else None
     a.chat_template = chat_template(a.chat_template)
     if a.chat_template is not None and not model_dir:

@@ -135,6 +135,27 @@ def step(c: Cluster, m: Shape, n: int, seq: int, layout: str, *, batch: int = 1,
     return Step(layout, tpa, kvp, w_s + kv_s + comm, w_s, kv_s, comm, held, kv, fits)
 
 
+def shape_of(config) -> Shape:
+    """The :class:`Shape` of a transformers config (its text config; duck-typed: no import)."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return Shape(getattr(c, "model_type", "model"), c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
+                 getattr(c, "num_key_value_heads", None) or c.num_attention_heads, hd, c.intermediate_size,
+                 c.vocab_size, bool(getattr(c, "tie_word_embeddings", False)))  # fmt: skip
+
+
+def pick_tp(c: Cluster, m: Shape, n: int, seq: int, *, batch: int = 1, dtype_bytes: int = 2) -> tuple[int, Step, Step]:
+    """``--tp auto``: ``(1 or n, the step with the weights whole, the step with them split)``:
+    the weights split over the ``n`` ranks (the ``kvp x tp`` layout at TPA = 1, what treeattn
+    runs) when that step is faster or only it fits, else whole (``kvp``)."""
+    whole = step(c, m, n, seq, "kvp", batch=batch, dtype_bytes=dtype_bytes)
+    split = step(c, m, n, seq, "kvp x tp", batch=batch, dtype_bytes=dtype_bytes, tpa=1)
+    if n == 1:
+        return 1, whole, split
+    better = split.seconds < whole.seconds if (whole.fits is not False) == (split.fits is not False) else split.fits
+    return (n if better else 1), whole, split
+
+
 def table(c: Cluster, models: list[str], seqs: list[int], ranks: list[int], batch: int = 1) -> str:
     """A markdown table of ms/token per layout (``(no fit)`` where a rank's weights and K/V
     exceed 90 % of its memory)."""
