@@ -16,8 +16,8 @@ from torch import Tensor
 from .._host import peak_memory_bytes
 from ..cache import ShardedKVCache
 from ..comm.collectives import world
-from ..comm.validate import agree
 from . import _model as S
+from ._calls import checked
 from ._commit import store_kept
 from ._forward import Forwards
 from ._history import History
@@ -186,8 +186,7 @@ class Session:
                 session's, more tokens than ``max_length`` (or the model's positions), or
                 ranks that passed different ids.
         """
-        err, lens = None, None
-        try:
+        def validate():
             B, T = self._check_ids(ids, "ids", check)
             lens = torch.full((B,), T, dtype=torch.int64) if attention_mask is None else S.right_padded(
                 attention_mask, B, T)  # fmt: skip
@@ -199,12 +198,9 @@ class Session:
                     "a right-padded attention_mask needs every sequence of the batch at the same length and layout"
                 )
             self._check_room(lens, B)
-        except (ValueError, TypeError) as e:
-            err = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-        if check:
-            self._agree("extend", err, ids, extra=S.checksum(lens) if lens is not None else -1)
-        elif err is not None:
-            raise ValueError(err)
+            return lens, S.checksum(lens)
+
+        lens = self._checked("extend", validate, check, ids)
         t0 = time.perf_counter()
         self._pending = None
         B, T = ids.shape
@@ -259,17 +255,13 @@ class Session:
             ValueError: on every rank: bad tokens or parents, tokens beyond ``max_length``
                 (or the model's positions), ranks that passed different tokens or trees.
         """
-        err, tree = None, None
-        try:
+        def validate():
             B, T = self._check_ids(tokens, "tokens", check)
             tree = S.tree_of(parents, T)
             self._check_room(torch.full((B,), int(tree[1].max()) + 1), B)
-        except (ValueError, TypeError) as e:
-            err = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-        if check:
-            self._agree("step", err, tokens, extra=S.checksum(torch.tensor(tree[0])) if tree else -1)
-        elif err is not None:
-            raise ValueError(err)
+            return tree, S.checksum(torch.tensor(tree[0]))
+
+        tree = self._checked("step", validate, check, tokens)
         t0 = time.perf_counter()
         self._pending = None
         self._ensure_cache(*tokens.shape)
@@ -294,17 +286,13 @@ class Session:
             ValueError: on every rank: no step to keep from, or ``path`` is not a path
                 from the root of the last step's tree, or ranks passed different paths.
         """
-        err = None
-        try:
+        def validate():
             if self._pending is None:
                 raise ValueError("keep() needs a step() first (and each step can be kept once)")
-            path = S.check_path(path, self._pending[1])
-        except (ValueError, TypeError) as e:
-            err = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-        if check:
-            self._agree("keep", err, None, extra=S.checksum(torch.tensor(path)) if err is None else -1)
-        elif err is not None:
-            raise ValueError(err)
+            kept = S.check_path(path, self._pending[1])
+            return kept, S.checksum(torch.tensor(kept))
+
+        path = self._checked("keep", validate, check)
         self._keep(path)
         self.last_call = dict(op="keep", tokens=len(path) * self.batch, seconds=0.0)
 
@@ -313,18 +301,18 @@ class Session:
         shorter sequence of a ragged batch keeps what it has below ``n``), and any pending
         step. ``n``: an int (a numpy integer or a 0-d integer tensor is one too). Raises
         ValueError (on every rank) for ``n`` out of range or not an int, or ranks that differ."""
-        err = None
-        if not isinstance(n, bool) and not (isinstance(n, Tensor) and n.ndim):
-            try:  # numpy integers and 0-d integer tensors too
-                n = operator.index(n)
-            except TypeError:
-                pass
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(self):
-            err = f"rewind(n) needs an int 0 <= n <= len(session) = {len(self)}, got {n!r}"
-        if check:
-            self._agree("rewind", err, None, extra=n if err is None else -1)
-        elif err is not None:
-            raise ValueError(err)
+        def validate():
+            m = n
+            if not isinstance(m, bool) and not (isinstance(m, Tensor) and m.ndim):
+                try:  # numpy integers and 0-d integer tensors too
+                    m = operator.index(m)
+                except TypeError:
+                    pass
+            if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= len(self):
+                raise ValueError(f"rewind(n) needs an int 0 <= n <= len(session) = {len(self)}, got {m!r}")
+            return m, m
+
+        n = self._checked("rewind", validate, check)
         self._pending = None
         if self.cache is not None:
             self._truncate(self.history.lens.clamp(max=n))
@@ -338,17 +326,8 @@ class Session:
             raise ValueError(f"{what} has batch {B}, but the session holds {self.batch} sequences (rewind(0) first)")
         return B, ids.shape[1]
 
-    def _agree(self, op: str, err: str | None, ids: Tensor | None, extra: int) -> None:
-        ok = err is None
-        fields = {
-            "call": op,
-            "batch": ids.shape[0] if ok and ids is not None else -1,
-            "tokens": ids.shape[1] if ok and ids is not None else -1,
-            "token ids checksum": S.checksum(ids) if ok and ids is not None else -1,
-            "arguments checksum": extra,
-            "committed tokens": int(self.history.lens.sum()),
-        }
-        agree(fields, err, group=self.group)
+    def _checked(self, op: str, validate, check: bool, ids: Tensor | None = None):
+        return checked(op, validate, check=check, group=self.group, committed=int(self.history.lens.sum()), ids=ids)
 
     def _ensure_cache(self, B: int, T: int) -> None:
         if self.cache is not None and (self.batch == B or len(self)):
