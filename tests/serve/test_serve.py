@@ -466,7 +466,7 @@ def _hostile() -> list[tuple[str, str, dict | bytes]]:
         "best_of": [3],
         "stop": [5, ["a"] * 5, "x" * 5000, ["\ud800"], [None]],
         "prompt": prompts,
-        "model": ["nope", "\u202e", "\ud800", 5, None],
+        "model": ["nope", "\u202e", "\ud800", 5],  # null: left out, the served model
         "stream": ["maybe", [1], "yes", 1],
         "logprobs": [[5], 21, -1, 2**80, "3", True],
         "\ud800": [1],  # an unknown field whose name is not valid Unicode
@@ -642,31 +642,36 @@ def _metrics(s) -> dict:
 
 
 def test_metrics(tiny_server):
-    """``/metrics``: each request observed once in the latency histograms (the inter-token one
-    once per token after the first), the token and prefix-cache counters moved by what the
-    request's usage reports, nothing left running or waiting, the K/V bound shown."""
+    """``/metrics`` over two requests (the second leaves out ``model``: the served one): each
+    observed once in the latency histograms (the inter-token one once per token after the
+    first), the token and prefix-cache counters moved by what their usage reports, nothing
+    left running or waiting, the K/V bound shown."""
     s = tiny_server
     before = _metrics(s)
     ids = [61, 62, 63, 64, 65, 66, 67]
     st, body = s.request("POST", "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 6,
                                                      "temperature": 0, "ignore_eos": True})  # fmt: skip
     assert st == 200, body
-    after = _metrics(s)
     P = "treeattn:"
 
     def grew(name, labels=()):
         return after[(P + name, labels)] - before.get((P + name, labels), 0.0)
 
     n, u = 6, body["usage"]
+    st, alone = s.request("POST", "/v1/completions", {"prompt": ids, "max_tokens": 6, "temperature": 0,
+                                                      "ignore_eos": True})  # no model: the served one (as vLLM)
+    assert st == 200 and alone["model"] == MODEL and alone["choices"][0]["text"] == body["choices"][0]["text"]
+    after = _metrics(s)
     assert u["completion_tokens"] == n
     for h in ("time_to_first_token_seconds", "request_queue_time_seconds", "e2e_request_latency_seconds"):
-        assert grew(h + "_count") == 1, h
-        assert 0 < grew(h + "_sum") < 60, h
-    assert grew("inter_token_latency_seconds_count") == n - 1
-    assert grew("request_success_total", (("finished_reason", "length"),)) == 1
-    assert grew("generation_tokens_total") == n and grew("prompt_tokens_total") == len(ids)
-    assert grew("prefix_cache_queries_total") == len(ids)
-    assert grew("prefix_cache_hits_total") == u["prompt_tokens_details"]["cached_tokens"]
+        assert grew(h + "_count") == 2, h
+        assert 0 < grew(h + "_sum") < 120, h
+    assert grew("inter_token_latency_seconds_count") == 2 * (n - 1)
+    assert grew("request_success_total", (("finished_reason", "length"),)) == 2
+    assert grew("generation_tokens_total") == 2 * n and grew("prompt_tokens_total") == 2 * len(ids)
+    assert grew("prefix_cache_queries_total") == 2 * len(ids)
+    cached = u["prompt_tokens_details"]["cached_tokens"] + alone["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert grew("prefix_cache_hits_total") == cached > 0  # the second found the first's prompt cached
     assert after[(P + "num_requests_running", ())] == 0 and after[(P + "num_requests_waiting", ())] == 0
     assert after[(P + "kv_cache_capacity_tokens", ())] == 64
     assert 0 < after[(P + "kv_cache_usage_tokens", ())] <= 64

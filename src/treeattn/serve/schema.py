@@ -116,7 +116,7 @@ Fraction = Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0, le=1)]
 
 
 class _Sampling(_Lenient):
-    model: str
+    model: str | None = None  # left out: the served model (as vLLM)
     max_tokens: Count | None = None
     temperature: Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0, le=2)] = 1.0
     top_p: Fraction = 1.0
