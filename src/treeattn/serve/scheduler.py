@@ -95,9 +95,9 @@ class Job:
         """The answer's text so far (EOS adds none): incremental while it runs, when the
         request has a stream; the whole decode at the end (exact, a trailing partial character
         included)."""
-        req, own = self.req, self.out[:-1] if tok in self.req.eos else self.out
+        req = self.req
         if req.stream is None or last:
-            return req.decode(own)
+            return req.decode(self.out[:-1] if tok in req.eos else self.out)
         if self.step is None:
             self.step = req.stream()
         if tok not in req.eos:
