@@ -20,18 +20,20 @@ from ..parallel.tensor import sharded_tokens
 from . import _graph
 from ._model import cache_kw, lm_logits, prefill_windows
 from .attention import AttnSwitch, StepContext, TreeAttnCache
+from .tensor_parallel import kv_heads_here
 
 _FLOPS_PER_BYTE = 30  # attention flops one rank does while gloo moves a byte (2-core host, order of magnitude)
 
 
 class Forwards:
     """The model, its decoder and the parallel settings of one Session; :meth:`bind` gives it
-    the cache."""
+    the cache. ``group``: every rank (the LM head's split); ``seq``: the ranks the cache is
+    sharded over (``group``, or a mesh's KVP group)."""
 
-    def __init__(self, model: torch.nn.Module, group, *, attention: str, strategy: str, prefill: str,
+    def __init__(self, model: torch.nn.Module, group, seq, *, attention: str, strategy: str, prefill: str,
                  prefill_chunk: int | None, counters: dict, cuda_graph: bool = False) -> None:  # fmt: skip
-        self.model, self.group = model, group
-        self.rank, self.p = world(group)
+        self.model, self.group, self.seq = model, group, seq
+        self.rank, self.p = world(seq)
         self.decoder = model.get_decoder()
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
@@ -72,8 +74,9 @@ class Forwards:
         if self.p == 1:
             return "tree"
         cfg = self.model.config
-        hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        hkv = kv_heads_here(self.model)  # this rank's (a mesh's head slice)
+        hq = cfg.num_attention_heads * hkv // cfg.num_key_value_heads
         e = self.dtype.itemsize
         keys = [len(o) + j for o, j in zip(old, b, strict=True)]
         ring = max((sum(keys) - m) * hkv * 2 * d * e - 4 * len(q) * m * hq * d / _FLOPS_PER_BYTE
@@ -97,11 +100,11 @@ class Forwards:
             q_pos = [x[i:j] for x, i, j in zip(new, a, b, strict=True)]
             n = len(q_pos[rank])
             how = self.prefill_mode if self.prefill_mode != "auto" else self.method(q_pos, old, new, b)
-            ctx = StepContext(c, "prefill", how, self.strategy, self.group,
+            ctx = StepContext(c, "prefill", how, self.strategy, self.seq,
                               positions=[torch.cat([o, x[:j]]) for o, x, j in zip(old, new, b, strict=True)],
                               q_positions=q_pos, n_real=n, start=base + a[rank])  # fmt: skip
             pos = q_pos[rank] if n else torch.full((1,), L0, dtype=torch.int64)  # a placeholder keeps the model happy
-            with sharded_tokens([max(1, len(x)) for x in q_pos]):  # each rank its own tokens (tensor parallel layers)
+            with sharded_tokens([max(1, len(x)) for x in q_pos], self.seq):  # each rank its own tokens (tensor parallel layers)
                 hidden = self._run(ctx, ids[:, (pos - L0).to(ids.device)], pos[None, :].expand(B, -1))
             if hidden_store is not None and n:
                 hidden_store.store_block(base + a[rank], hidden[:, :n])
@@ -111,7 +114,7 @@ class Forwards:
             if n:  # who holds each sequence's last token in this window
                 rows, cols = torch.nonzero(q_pos[rank][None, :] == (L0 + lens - 1)[:, None], as_tuple=True)
                 last[rows.to(self.device)] = hidden[rows.to(self.device), cols.to(self.device)].to(last.dtype)
-        last = all_reduce(last, dist.ReduceOp.SUM, self.group)
+        last = all_reduce(last, dist.ReduceOp.SUM, self.seq)
         return lm_logits(self.model, last.to(self.dtype), self.group, split=True)
 
     def decode(self, tok: Tensor, hidden_store=None) -> Tensor:
@@ -121,7 +124,7 @@ class Forwards:
         c = self.cache
         pos = c.seq_lens.clone()
         c.begin_decode_step()
-        ctx = StepContext(c, "decode", self.attention, self.strategy, self.group, kv_lens=c.lens_on_device(), q_pos=pos)
+        ctx = StepContext(c, "decode", self.attention, self.strategy, self.seq, kv_lens=c.lens_on_device(), q_pos=pos)
         hidden = self._run(ctx, tok[:, None], pos[:, None])[:, -1]
         if hidden_store is not None:
             hidden_store.store(c._step_rows, c._step_slots, hidden[c._step_rows])
@@ -133,7 +136,7 @@ class Forwards:
         _, depth, sees = tree
         c = self.cache
         q_pos = committed[:, None] + depth[None, :]
-        ctx = StepContext(c, "step", self.attention, self.strategy, self.group, kv_lens=c.lens_on_device(),
+        ctx = StepContext(c, "step", self.attention, self.strategy, self.seq, kv_lens=c.lens_on_device(),
                           q_pos=q_pos, tree=sees, depth=depth)  # fmt: skip
         hidden = self._run(ctx, tokens, q_pos)
         return lm_logits(self.model, hidden, self.group, split=True), hidden, ctx.stash

@@ -68,7 +68,7 @@ class StaticDecode:
 
     def _forward(self, span: int) -> Tensor:
         fw, c = self.fw, self.fw.cache
-        ctx = StepContext(c, "static", fw.attention, fw.strategy, fw.group, kv_lens=self.meta[1:].expand(c.B),
+        ctx = StepContext(c, "static", fw.attention, fw.strategy, fw.seq, kv_lens=self.meta[1:].expand(c.B),
                           span=span, slot=self.meta[:1], pos=self.meta[0].expand(c.B))  # fmt: skip
         fw._tc.ctx = ctx
         hidden = fw.decoder(input_ids=self.ids, position_ids=self.meta[:1].expand(c.B, 1), **cache_kw(fw.decoder, fw._tc),

@@ -22,6 +22,7 @@ from ._commit import store_kept
 from ._forward import Forwards
 from ._history import History
 from ._settings import agree_settings
+from .tensor_parallel import kv_heads_here, sequence_group
 
 
 class Session:
@@ -44,8 +45,10 @@ class Session:
         model: a transformers causal LM (Llama, Mistral, Qwen2, Gemma-2/3 families; see the
             README's table) in eval mode, the same weights on every rank. Its attention
             implementation is switched to ``"treeattn"`` during each call only.
-        group: the sequence-parallel process group (default: the world; without
-            torch.distributed initialised, one process).
+        group: the process group of the ranks (default: the world; without torch.distributed
+            initialised, one process). The KV cache is sharded along the sequence over it, or,
+            for a model whose attention heads :func:`~treeattn.hf.tensor_parallel` split
+            (``tpa`` > 1), over this rank's slice of it (:func:`~treeattn.hf.tensor_parallel.sequence_group`).
         placement, block: KV placement (see :class:`treeattn.cache.ShardedKVCache`). None: from the
             first call's ``T`` tokens, up to 256 with 4 blocks per rank (1 for short prompts);
             the prefill then sees the other ranks' keys as whole blocks, not triangles.
@@ -84,7 +87,8 @@ class Session:
         prefill: str = "auto",
         cuda_graph: bool = False,
     ) -> None:
-        self.rank, self.p = world(group)
+        self.seq = sequence_group(model, group)  # the ranks the cache is sharded over
+        self.rank, self.p = world(self.seq)
         self.layout, limit = agree_settings(model, group, max_length=max_length, placement=placement, block=block,
                                             attention=attention, strategy=strategy, prefill=prefill,
                                             prefill_chunk=prefill_chunk, cuda_graph=cuda_graph)  # fmt: skip
@@ -92,7 +96,7 @@ class Session:
         self.placement, self.block, self.max_length = placement, block, limit
         self.counters = dict(forwards=0, extend_tokens=0, extend_seconds=0.0, steps=0, step_tokens=0,
                              step_seconds=0.0, kept_tokens=0)  # fmt: skip
-        self.fw = Forwards(model, group, attention=attention, strategy=strategy, prefill=prefill,
+        self.fw = Forwards(model, group, self.seq, attention=attention, strategy=strategy, prefill=prefill,
                            prefill_chunk=prefill_chunk, counters=self.counters, cuda_graph=cuda_graph)  # fmt: skip
         self.dtype, self.device = self.fw.dtype, self.fw.device
         self.cache: ShardedKVCache | None = None
@@ -334,8 +338,8 @@ class Session:
             return
         cfg = self.model.config
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.cache = ShardedKVCache(cfg.num_hidden_layers, B, cfg.num_key_value_heads, hd, dtype=self.dtype,
-                                    device=self.device, group=self.group, placement=self.placement,
+        self.cache = ShardedKVCache(cfg.num_hidden_layers, B, kv_heads_here(self.model), hd, dtype=self.dtype,
+                                    device=self.device, group=self.seq, placement=self.placement,
                                     block=self.block or S.auto_block(T, self.p))  # fmt: skip
         self.cache.slot_limit = self.cache.placement.max_per_rank(self.max_length)
         self.fw.bind(self.cache)

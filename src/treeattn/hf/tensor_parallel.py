@@ -21,14 +21,36 @@ from torch import nn
 
 from ..comm.collectives import world
 from ..comm.validate import agree
+from ..parallel.mesh import Mesh, make_mesh, mesh_problem
 from ..parallel.tensor import ColumnParallel, RowParallel, Tokens, split
 
 _MARK = "_treeattn_tensor_parallel"  # the model attribute: the ranks it is split over
+_MESH = "_treeattn_mesh"  # the model attribute: its Mesh
 
 
 def tensor_parallel_ranks(model: nn.Module) -> int:
     """Over how many ranks :func:`tensor_parallel` split ``model`` (1: not split)."""
     return getattr(model, _MARK, 1)
+
+
+def model_mesh(model: nn.Module) -> Mesh | None:
+    """The TPA x KVP mesh :func:`tensor_parallel` split ``model`` over (None: not split)."""
+    return getattr(model, _MESH, None)
+
+
+def sequence_group(model: nn.Module, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The group ``model``'s KV cache is sharded over when its forwards run on every rank of
+    ``group``: the KVP group of its mesh when its attention heads are split (``tpa`` > 1),
+    else ``group`` itself."""
+    mesh = model_mesh(model)
+    return mesh.seq if mesh is not None and mesh.tpa > 1 else group
+
+
+def kv_heads_here(model: nn.Module) -> int:
+    """The KV heads this rank computes and stores (all of them, or its mesh's head slice)."""
+    c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    mesh = model_mesh(model)
+    return c.num_key_value_heads // (mesh.tpa if mesh is not None else 1)
 
 
 def _layers(model: nn.Module):
@@ -53,34 +75,66 @@ def _check(model: nn.Module) -> str | None:
 
 
 @torch.no_grad()
-def tensor_parallel(model: nn.Module, group: dist.ProcessGroup | None = None) -> nn.Module:
+def tensor_parallel(model: nn.Module, group: dist.ProcessGroup | None = None, tpa: int = 1) -> nn.Module:
     """Split ``model``'s MLP and attention output projection weights over the ranks of
     ``group`` (in place, returned; call on every rank with the same model, before packing its
     linears: :func:`treeattn.hf.linear.pack_linears`). Afterwards every forward of the model is
     collective over ``group``: run it on every rank alike (a :class:`~treeattn.hf.Session` over
     the same group does), never on one rank alone.
 
+    ``tpa`` > 1 also splits the attention heads over ``tpa`` slices of ranks (Helix's TPA x
+    KVP mesh, :mod:`treeattn.parallel.mesh`; ``tpa`` divides the ranks and the KV heads; the
+    default process group only): each rank computes Q/K/V for its slice's heads, and a
+    :class:`~treeattn.hf.Session` shards each slice's K/V along the sequence over the slice's
+    ``p / tpa`` ranks. Each rank then holds ``1/tpa`` of the K/V heads of ``tpa / p`` of the
+    sequence: the same K/V bytes as ``tpa`` = 1, ``1/tpa`` of the Q/K/V weights.
+
     Raises:
         ValueError: on every rank, before any other collective, when the model cannot be split
-            on some rank (no gated MLP, split already) or the ranks' models differ in shape.
+            on some rank (no gated MLP, split already, a ``tpa`` that does not divide) or the
+            ranks' models or ``tpa`` differ.
     """
     rank, p = world(group)
     err = _check(model)
     c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    hq, hkv = c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    err = err or mesh_problem(group, tpa, hkv)
+    if err is None and tpa > 1:
+        err = _qkv_problem(model)
     agree({"layers": len(_layers(model)) if err is None else -1, "hidden_size": c.hidden_size,
-           "intermediate_size": getattr(c, "intermediate_size", -1), "num_attention_heads": c.num_attention_heads,
-           "head_dim": hd}, err, group=group)  # fmt: skip
+           "intermediate_size": getattr(c, "intermediate_size", -1), "num_attention_heads": hq,
+           "head_dim": hd, "tpa": tpa if type(tpa) is int else -1}, err, group=group)  # fmt: skip
     if p == 1:
         return model
+    mesh = make_mesh(group, tpa, "cuda" if next(model.parameters()).device.type == "cuda" else "cpu")
+    q_lo, q_hi = mesh.heads(hq)
+    kv_lo, kv_hi = mesh.heads(hkv)
     for layer in _layers(model):
         mlp, attn = layer.mlp, layer.self_attn
         lo, hi = split(mlp.gate_proj.out_features, rank, p)
-        x = Tokens(group)  # the MLP's input, gathered once for both projections
+        x = Tokens()  # the MLP's input, gathered once for both projections
         mlp.gate_proj = ColumnParallel(mlp.gate_proj, lo, hi, x)
         mlp.up_proj = ColumnParallel(mlp.up_proj, lo, hi, x)
         mlp.down_proj = RowParallel(mlp.down_proj, lo, hi, group, sliced=False)
-        lo, hi = split(attn.o_proj.in_features, rank, p, unit=hd)  # whole query heads
-        attn.o_proj = RowParallel(attn.o_proj, lo, hi, group, sliced=True)
+        if tpa > 1:  # this rank's slice of the heads: its own tokens' Q/K/V, no communication
+            attn.q_proj = ColumnParallel(attn.q_proj, q_lo * hd, q_hi * hd, None)
+            attn.k_proj = ColumnParallel(attn.k_proj, kv_lo * hd, kv_hi * hd, None)
+            attn.v_proj = ColumnParallel(attn.v_proj, kv_lo * hd, kv_hi * hd, None)
+        # the output projection: this rank's whole query heads of its slice's (all heads at tpa = 1)
+        lo, hi = split((q_hi - q_lo) * hd, mesh.seq_rank, mesh.kvp, unit=hd)
+        base = q_lo * hd
+        attn.o_proj = RowParallel(attn.o_proj, base + lo, base + hi, group, sliced=True, base=base)
     setattr(model, _MARK, p)
+    setattr(model, _MESH, mesh)
     return model
+
+
+def _qkv_problem(model: nn.Module) -> str | None:
+    for i, layer in enumerate(_layers(model)):
+        attn = getattr(layer, "self_attn", None)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            if type(getattr(attn, name, None)) is not nn.Linear:
+                return (f"layer {i}: splitting the attention heads (tpa > 1) needs self_attn.q_proj, k_proj "
+                        f"and v_proj as nn.Linear layers; {name} is not")  # fmt: skip
+    return None

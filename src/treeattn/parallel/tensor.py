@@ -28,15 +28,25 @@ from torch import Tensor, nn
 from ..comm.collectives import all_gather, all_reduce, world
 from ..comm.shm import shm_exchange
 
-# (tokens per rank, gathered inputs by Tokens) of the sequence-sharded forward running, or None
-_SHARDED: ContextVar[tuple[tuple[int, ...], dict] | None] = ContextVar("treeattn_sharded_tokens", default=None)
+class _Sharded:
+    """The sequence-sharded forward running: tokens per rank of ``group``, gathered inputs."""
+
+    __slots__ = ("counts", "memo", "group")
+
+    def __init__(self, counts: tuple[int, ...], group) -> None:
+        self.counts, self.memo, self.group = counts, {}, group
+
+
+_SHARDED: ContextVar[_Sharded | None] = ContextVar("treeattn_sharded_tokens", default=None)
 
 
 @contextlib.contextmanager
-def sharded_tokens(counts: list[int]):
+def sharded_tokens(counts: list[int], group: dist.ProcessGroup | None = None):
     """The forwards inside run ``counts[r]`` tokens (dimension -2 of the activations) on rank
-    ``r``, each rank its own: tensor-parallel layers gather and scatter tokens across ranks."""
-    tok = _SHARDED.set((tuple(int(n) for n in counts), {}))
+    ``r`` of ``group`` (the sequence group: the world, or this rank's KVP group of a mesh whose
+    head slices run the same tokens), each rank its own: tensor-parallel layers gather the
+    tokens over ``group`` and keep their own tokens' rows of a sum over their own group."""
+    tok = _SHARDED.set(_Sharded(tuple(int(n) for n in counts), group))
     try:
         yield
     finally:
@@ -65,22 +75,21 @@ class Tokens:
     """Every rank's tokens of a sequence-sharded forward, gathered: shared by the layers that
     read one input (a gated MLP's gate and up projections), gathered once per forward."""
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
-        self.group = group
-
-    def all(self, x: Tensor, sharded: tuple) -> Tensor:
+    def all(self, x: Tensor, sharded: _Sharded) -> Tensor:
         """``x [..., counts[rank], C]`` -> ``[..., sum(counts), C]`` (rank order)."""
-        counts, memo = sharded
+        counts, memo = sharded.counts, sharded.memo
+        if len(counts) == 1:
+            return x
         hit = memo.get(id(self))
         if hit is not None and hit[0] is x:
             return hit[1]
-        blocks = _exchange(x, list(counts), self.group)
+        blocks = _exchange(x, list(counts), sharded.group)
         if blocks is not None:
             out = torch.cat(blocks, -2)
         else:  # through the process group: padded to the longest
             n = max(counts)
             pad = x if x.shape[-2] == n else torch.cat([x, x.new_zeros(*x.shape[:-2], n - x.shape[-2], x.shape[-1])], -2)
-            g = all_gather(pad.contiguous(), self.group)  # [p, ..., n, C]
+            g = all_gather(pad.contiguous(), sharded.group)  # [p, ..., n, C]
             out = torch.cat([g[r, ..., :c, :] for r, c in enumerate(counts)], -2)
         memo.clear()  # one gathered input alive at a time (the layers read it right away), not one per layer
         memo[id(self)] = (x, out)
@@ -106,14 +115,17 @@ def _exchange(x: Tensor, counts: list[int], group) -> list[Tensor] | None:
     return out
 
 
-def _own_rows_of_sum(y: Tensor, counts: tuple[int, ...], group) -> Tensor:
-    """This rank's rows (its tokens, at ``sum(counts[:rank])``) of the sum over the ranks of
-    ``y [..., sum(counts), C]``: each rank reads its rows of every peer's ``y`` in place and
-    adds them in rank order (a reduce-scatter); through the process group, an all-reduce."""
-    rank, p = world(group)
+def _own_rows_of_sum(y: Tensor, sharded: _Sharded, group) -> Tensor:
+    """This rank's rows (its tokens, at ``sum(counts[:rank])`` of the sequence group) of the sum
+    over ``group``'s ranks of ``y [..., sum(counts), C]``: each rank reads its rows of every
+    peer's ``y`` in place and adds them in rank order (a reduce-scatter); through the process
+    group, or when the sequence group is not ``group`` (a mesh's KVP group), an all-reduce."""
+    counts = sharded.counts
+    rank, p = world(sharded.group)
     a, n = sum(counts[:rank]), counts[rank]
     N = sum(counts)
-    blocks = _exchange(y, [N] * p, group) if y.dim() == 3 else None
+    same = sharded.group is group or world(group)[1] == p
+    blocks = _exchange(y, [N] * p, group) if y.dim() == 3 and same else None
     if blocks is None:
         return all_reduce(y.contiguous(), dist.ReduceOp.SUM, group)[..., a : a + n, :]
     out = blocks[0][:, a : a + n].clone()
@@ -124,9 +136,10 @@ def _own_rows_of_sum(y: Tensor, counts: tuple[int, ...], group) -> Tensor:
 
 class ColumnParallel(nn.Module):
     """Output rows ``[lo, hi)`` of ``linear`` on this rank (no communication, but the gather of
-    a sequence-sharded forward's tokens)."""
+    a sequence-sharded forward's tokens; ``tokens`` None: none either, each rank computes its
+    own tokens' rows, as a head slice's Q/K/V do)."""
 
-    def __init__(self, linear: nn.Linear, lo: int, hi: int, tokens: Tokens) -> None:
+    def __init__(self, linear: nn.Linear, lo: int, hi: int, tokens: Tokens | None) -> None:
         super().__init__()
         self.lo, self.hi, self.tokens = lo, hi, tokens
         self.in_features, self.out_features, self.whole = linear.in_features, hi - lo, linear.out_features
@@ -135,7 +148,7 @@ class ColumnParallel(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         sharded = _SHARDED.get()
-        if sharded is not None:
+        if sharded is not None and self.tokens is not None:
             x = self.tokens.all(x, sharded)
         y = self.inner(x)
         return y if self.bias is None else y + self.bias
@@ -150,14 +163,15 @@ class ColumnParallel(nn.Module):
 
 class RowParallel(nn.Module):
     """Input columns ``[lo, hi)`` of ``linear`` on this rank: ``inner`` multiplies them (taken
-    from a whole input when ``sliced``; else the input is this rank's slice already, from a
-    column-parallel layer), one all-reduce over ``group`` sums the ranks' products, then the bias."""
+    from an input holding columns ``[base, ...)`` when ``sliced``, the whole input at ``base``
+    0; else the input is this rank's slice already, from a column-parallel layer), one
+    all-reduce over ``group`` sums the ranks' products, then the bias."""
 
     def __init__(self, linear: nn.Linear, lo: int, hi: int, group: dist.ProcessGroup | None, sliced: bool,
-                 tokens: Tokens | None = None) -> None:  # fmt: skip
+                 base: int = 0) -> None:  # fmt: skip
         super().__init__()
-        self.lo, self.hi, self.sliced, self.group = lo, hi, sliced, group
-        self.tokens = tokens or Tokens(group)
+        self.lo, self.hi, self.sliced, self.group, self.base = lo, hi, sliced, group, base
+        self.tokens = Tokens()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.inner = _linear(linear.weight[:, lo:hi])
         self.bias = None if linear.bias is None else _own(linear.bias)
@@ -167,9 +181,9 @@ class RowParallel(nn.Module):
         if sharded is not None and self.sliced:  # every rank's tokens, this rank's columns
             x = self.tokens.all(x, sharded)
         if self.sliced:
-            x = x[..., self.lo : self.hi]
+            x = x[..., self.lo - self.base : self.hi - self.base]
         if sharded is not None:  # this rank's tokens of the sum
-            y = _own_rows_of_sum(self.inner(x), sharded[0], self.group)
+            y = _own_rows_of_sum(self.inner(x), sharded, self.group)
         else:
             y = all_reduce(self.inner(x).contiguous(), dist.ReduceOp.SUM, self.group)
         return y if self.bias is None else y + self.bias
