@@ -20,7 +20,7 @@ from ..parallel.tensor import sharded_tokens
 from . import _graph
 from ._model import cache_kw, lm_logits, prefill_windows
 from .attention import AttnSwitch, StepContext, TreeAttnCache
-from .tensor_parallel import kv_heads_here
+from .tensor_parallel import kv_heads_here, model_mesh
 
 _FLOPS_PER_BYTE = 30  # attention flops one rank does while gloo moves a byte (2-core host, order of magnitude)
 
@@ -34,6 +34,9 @@ class Forwards:
                  prefill_chunk: int | None, counters: dict, cuda_graph: bool = False) -> None:  # fmt: skip
         self.model, self.group, self.seq = model, group, seq
         self.rank, self.p = world(seq)
+        mesh = model_mesh(model)  # a mesh's KVP ranks take their heads of the Tree reduction (Helix)
+        scatter = mesh is not None and mesh.kvp > 1 and mesh.tpa > 1 and attention == "tree"
+        self.heads = mesh.head_cuts(model.config.num_attention_heads) if scatter else None
         self.decoder = model.get_decoder()
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
@@ -124,7 +127,8 @@ class Forwards:
         c = self.cache
         pos = c.seq_lens.clone()
         c.begin_decode_step()
-        ctx = StepContext(c, "decode", self.attention, self.strategy, self.seq, kv_lens=c.lens_on_device(), q_pos=pos)
+        ctx = StepContext(c, "decode", self.attention, self.strategy, self.seq, kv_lens=c.lens_on_device(), q_pos=pos,
+                          heads=self.heads)  # fmt: skip
         hidden = self._run(ctx, tok[:, None], pos[:, None])[:, -1]
         if hidden_store is not None:
             hidden_store.store(c._step_rows, c._step_slots, hidden[c._step_rows])
@@ -137,6 +141,6 @@ class Forwards:
         c = self.cache
         q_pos = committed[:, None] + depth[None, :]
         ctx = StepContext(c, "step", self.attention, self.strategy, self.seq, kv_lens=c.lens_on_device(),
-                          q_pos=q_pos, tree=sees, depth=depth)  # fmt: skip
+                          q_pos=q_pos, tree=sees, depth=depth, heads=self.heads)  # fmt: skip
         hidden = self._run(ctx, tokens, q_pos)
         return lm_logits(self.model, hidden, self.group, split=True), hidden, ctx.stash

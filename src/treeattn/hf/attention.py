@@ -43,6 +43,8 @@ class StepContext:
     span: int = 0  # static: slots the attention reads (rows bounded by kv_lens)
     slot: Tensor | None = None  # static: [1] the new token's local slot, on the device
     pos: Tensor | None = None  # static: [B] the new token's position, on the device (at p = 1, its slot)
+    heads: list[int] | None = None  # decode, step: cut points of the query heads the Tree reduction scatters
+    # over the ranks (a mesh's KVP ranks split their slice's heads; the output projection takes them)
 
     def window_start(self, window: int | None) -> Tensor | None:
         """Decode, step: this rank's first visible slot per query under ``window`` (None: no window)."""
@@ -182,7 +184,7 @@ def treeattn_attention(
         if ctx.attention == "ring":
             out = ring_decode(query, k, v, scale=scaling, check=False, **kw)
         else:
-            out = tree_decode(query, k, v, scale=scaling, strategy=ctx.strategy, check=False, **kw)
+            out = tree_decode(query, k, v, scale=scaling, strategy=ctx.strategy, check=False, heads=ctx.heads, **kw)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -30,6 +30,7 @@ from ._cascade import PrefixGroup, RowsStep, Shape
 from ._split import cuts, gather_rows
 from .attention import AttnSwitch, TreeAttnCache
 from .session import Session
+from .tensor_parallel import kv_heads_here, sequence_group
 
 # Lines of at most this many tokens (decode steps, drafts to verify, short chunks) are placed
 # before the forward: each token is stored on its owner and attended there with the row's
@@ -69,7 +70,8 @@ class BatchRunner:
 
     Args:
         model: a transformers causal LM (as :class:`Session`), the same weights on every rank.
-        group: the sequence-parallel process group (default: the world).
+        group: the process group of the ranks (default: the world); the K/V are sharded over
+            it, or over this rank's KVP group of a model whose heads are split (as :class:`Session`).
         max_batch: rows that may run at once.
         session_kw: :class:`Session` keyword arguments of every prefix (placement, block,
             attention, strategy, prefill, prefill_chunk); ``attention`` and ``strategy`` also
@@ -84,13 +86,14 @@ class BatchRunner:
         if type(max_batch) is not int or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
         self.model, self.group, self.kw = model, group, dict(session_kw)
-        self.rank, self.p = world(group)
+        self.seq = sequence_group(model, group)  # the ranks the K/V are sharded over (a mesh's KVP group)
+        self.rank, self.p = world(self.seq)
         cfg = model.config
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.decoder = model.get_decoder()
-        self.rows = RowCache(cfg.num_hidden_layers, max_batch, cfg.num_key_value_heads, hd, rank=self.rank,
+        self.rows = RowCache(cfg.num_hidden_layers, max_batch, kv_heads_here(model), hd, rank=self.rank,
                              p=self.p, dtype=self.dtype, device=self.device)  # fmt: skip
         self.prefixes: dict[int, Session] = {}
         self.row_prefix: list[int | None] = [None] * max_batch
@@ -200,11 +203,11 @@ class BatchRunner:
         cut = cuts(N, self.p) if self.p > 1 and self.split_ok and N >= max(SPLIT_MIN, self.p) else None
         a, b = (cut[self.rank], cut[self.rank + 1]) if cut else (0, N)
         ctx = RowsStep(self.rows, shapes, pos, [_group(self.prefixes[pid].cache, rd) for pid, rd in reads.items()],
-                       self.kw.get("attention", "tree"), self.kw.get("strategy", "auto"), self.group, cut=cut,
+                       self.kw.get("attention", "tree"), self.kw.get("strategy", "auto"), self.seq, cut=cut,
                        wide=wide)  # fmt: skip
         tc = TreeAttnCache(_Lens(self.rows.L, pos.min().reshape(1)))
         tc.ctx = ctx
-        split = sharded_tokens([cut[r + 1] - cut[r] for r in range(self.p)]) if cut else contextlib.nullcontext()
+        split = sharded_tokens([cut[r + 1] - cut[r] for r in range(self.p)], self.seq) if cut else contextlib.nullcontext()
         with self._switch(), split:  # split: each rank runs its cut of the tokens (tensor-parallel layers gather them)
             hidden = self.decoder(input_ids=torch.tensor([ids[a:b]], device=self.device),
                                   position_ids=pos[None, a:b].to(self.device), **S.cache_kw(self.decoder, tc),
@@ -222,7 +225,7 @@ class BatchRunner:
         back = torch.tensor(order).argsort().tolist()  # the callers' order
         want = [range(last[i] - len(lines[i][1]) + 1, last[i] + 1) if lines[i][0] in full else [last[i]] for i in back]
         want = [x for w in want for x in w]
-        h = gather_rows(hidden, want, cut, self.rank, self.group) if cut else hidden[torch.tensor(want).to(self.device)]
+        h = gather_rows(hidden, want, cut, self.rank, self.seq) if cut else hidden[torch.tensor(want).to(self.device)]
         return S.lm_logits(self.model, h, self.group, split=True)
 
     def _key(self, row: int) -> tuple[int, int]:

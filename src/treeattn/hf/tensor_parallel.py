@@ -122,9 +122,9 @@ def tensor_parallel(model: nn.Module, group: dist.ProcessGroup | None = None, tp
             attn.k_proj = ColumnParallel(attn.k_proj, kv_lo * hd, kv_hi * hd, None)
             attn.v_proj = ColumnParallel(attn.v_proj, kv_lo * hd, kv_hi * hd, None)
         # the output projection: this rank's whole query heads of its slice's (all heads at tpa = 1)
-        lo, hi = split((q_hi - q_lo) * hd, mesh.seq_rank, mesh.kvp, unit=hd)
-        base = q_lo * hd
-        attn.o_proj = RowParallel(attn.o_proj, base + lo, base + hi, group, sliced=True, base=base)
+        cuts, j, base = mesh.head_cuts(hq), mesh.seq_rank, q_lo * hd
+        attn.o_proj = RowParallel(attn.o_proj, base + cuts[j] * hd, base + cuts[j + 1] * hd, group, sliced=True,
+                                  base=base)  # fmt: skip
     setattr(model, _MARK, p)
     setattr(model, _MESH, mesh)
     return model

@@ -34,6 +34,14 @@ class Mesh:
         per = n // self.tpa
         return self.head_slice * per, (self.head_slice + 1) * per
 
+    def head_cuts(self, n: int) -> list[int]:
+        """The ``kvp + 1`` cut points of a slice's ``n`` query heads over its KVP ranks: after
+        the Tree reduction each holds heads ``[cuts[j], cuts[j + 1])`` of the slice (contiguous,
+        the first ``n % kvp`` one more), and multiplies their columns of the output projection."""
+        per = n // self.tpa
+        q, r = divmod(per, self.kvp)
+        return [j * q + min(j, r) for j in range(self.kvp + 1)]
+
 
 def mesh_problem(group: dist.ProcessGroup | None, tpa, kv_heads: int) -> str | None:
     """Why ``tpa`` head slices cannot be made over ``group`` (None: they can)."""

@@ -180,8 +180,9 @@ class RowParallel(nn.Module):
         sharded = _SHARDED.get()
         if sharded is not None and self.sliced:  # every rank's tokens, this rank's columns
             x = self.tokens.all(x, sharded)
-        if self.sliced:
-            x = x[..., self.lo - self.base : self.hi - self.base]
+        if self.sliced and (sharded is not None or x.shape[-1] != self.hi - self.lo):
+            x = x[..., self.lo - self.base : self.hi - self.base]  # (else the input is its columns already:
+            # a Tree reduction scattered over the heads returned this rank's heads only)
         if sharded is not None:  # this rank's tokens of the sum
             y = _own_rows_of_sum(self.inner(x), sharded, self.group)
         else:

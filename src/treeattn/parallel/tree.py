@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..comm._pg import world
+from ..comm.scatter import reduce_scatter_heads
 from ..comm.strategies import STRATEGIES, auto_model, reduce_states
 from ..comm.topology import Topology
 from ..ops.attention import _attention
@@ -62,6 +63,7 @@ def tree_decode(
     softcap: float | None = None,
     window: int | None = None,
     profile: Any = None,
+    heads: list[int] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention of ``q`` over a KV cache sharded along the sequence across ``group``.
 
@@ -100,9 +102,15 @@ def tree_decode(
             or :class:`treeattn.cost.Profile`, or None: the file named by ``$TREEATTN_PROFILE``,
             else the built-in preset of the group's backend (``local``; ``dgx-h100`` on NCCL).
             With ``check`` the ranks agree on the model (a hash of its constants) first.
+        heads: ``p + 1`` cut points of the query heads: the states are reduced scattered over
+            the heads (one all-to-all, :func:`treeattn.comm.scatter.reduce_scatter_heads`,
+            instead of ``strategy``'s reduction) and rank ``j`` returns heads ``[heads[j],
+            heads[j + 1])`` only (Helix: each rank then multiplies its heads' columns of the
+            output projection). None: every rank returns every head.
 
     Returns:
-        ``out [B, Hq, Tq, Dv]`` in q's dtype, the same on every rank; with ``return_lse``
+        ``out [B, Hq, Tq, Dv]`` in q's dtype, the same on every rank (``[B, h, Tq, Dv]``, this
+        rank's heads, with ``heads``); with ``return_lse``
         also ``lse [B, Hq, Tq]`` float32 (float64 for float64 inputs). Rows with no visible key give
         (0, -inf).
 
@@ -127,6 +135,10 @@ def tree_decode(
         validate_decode(q, k, v, kv_lens, new_k, new_v, new_mask, scale, strategy, group, STRATEGIES, rpn,
                         kv_start, softcap, window, fingerprint if strategy == "auto" else None)  # fmt: skip
         profile = model if model is not None else profile
+        p = world(group)[1]
+        if heads is not None and (len(heads) != p + 1 or heads[0] != 0 or heads[-1] != q.shape[1]
+                                  or any(b < a for a, b in zip(heads, heads[1:]))):  # fmt: skip
+            raise ValueError(f"heads must be {p + 1} non-decreasing cut points from 0 to Hq = {q.shape[1]}, got {heads}")
     # one rank and no new tokens: the local state is the answer, written in q's dtype by the kernel
     # (no reduction, no cast: the local op's cost; its lse is never +inf, which a reduction reads as empty)
     if strategy not in STRATEGIES:  # (reduce_states says so too; one rank never calls it)
@@ -134,11 +146,15 @@ def tree_decode(
     alone = world(group)[1] == 1
     out, lse = _attention(q, k, v, scale=scale, kv_lens=kv_lens, kv_start=kv_start, softcap=softcap,
                           backend=backend, keep_fp32=not alone or new_k is not None)  # fmt: skip
-    if not alone:
+    mine = slice(None)  # the heads this rank returns
+    if not alone and heads is not None:
+        rank = world(group)[0]
+        mine = slice(heads[rank], heads[rank + 1])
+        out, lse = reduce_scatter_heads(out, lse, heads, group)
+    elif not alone:
         out, lse = reduce_states(out, lse, group=group, strategy=strategy, topology=topology, profile=profile)
     if new_k is not None:
-        out, lse = merge_states(
-            out, lse, *new_token_state(q, new_k, new_v, new_mask, scale, softcap=softcap, window=window)
-        )
+        n_out, n_lse = new_token_state(q, new_k, new_v, new_mask, scale, softcap=softcap, window=window)
+        out, lse = merge_states(out, lse, n_out[:, mine], n_lse[:, mine])
     out = out.to(q.dtype)
     return (out, lse) if return_lse else out
