@@ -1,6 +1,6 @@
 """A checkpoint loaded straight into its split (treeattn.hf.load_split): at p = 2 and 3, from one
 safetensors file and from a sharded checkpoint with its index, tied and untied output
-embeddings, with biases; every parameter bitwise what loading the whole model and splitting it
+embeddings, with biases, the attention heads whole and split (tpa 2 at p = 2); every parameter bitwise what loading the whole model and splitting it
 gives, each rank reading only its shards (the bytes read counted), greedy tokens identical to
 single-process transformers; a checkpoint without a tensor refused naming it; and the
 ``generate`` CLI from a directory with ``--tp 2`` against its single-process check."""
@@ -75,10 +75,10 @@ def split_worker(dirs: list[str], broken: str) -> None:
             return Sl()
 
     sl.safe_open = Counting
-    for d in dirs:
+    for d, tpa in [(d, t) for d in dirs for t in (1, 2) if p % t == 0]:  # tpa 2: the heads split too
         read[0] = 0
-        m, _ = load_split(d)
-        ref = tensor_parallel(load_model(d)[0])
+        m, _ = load_split(d, tpa=tpa)
+        ref = tensor_parallel(load_model(d)[0], tpa=tpa)
         assert tensor_parallel_ranks(m) == p
         mine = dict(m.named_parameters(remove_duplicate=False))
         want = dict(ref.named_parameters(remove_duplicate=False))
@@ -95,7 +95,7 @@ def split_worker(dirs: list[str], broken: str) -> None:
         out = generate(m, ids, max_new_tokens=8, stop_at_eos=False)
         ref_out = w.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
                              eos_token_id=None, pad_token_id=0)[:, 40:]  # fmt: skip
-        assert torch.equal(out, ref_out), f"{d}: {out.tolist()} != {ref_out.tolist()}"
+        assert torch.equal(out, ref_out), f"{d} tpa={tpa}: {out.tolist()} != {ref_out.tolist()}"
     with pytest.raises(ValueError, match="the checkpoint has no tensor 'model.layers.1.mlp.down_proj.weight'"):
         load_split(broken)
 

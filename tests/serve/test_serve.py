@@ -594,13 +594,15 @@ def test_completion_logprobs_match_transformers(tiny_server):
     assert st == 400 and "logprobs" in body["error"]["message"]
 
 
-def test_server_with_the_weights_split():
-    """``--tp 2``: each rank holds half of every layer's MLP and output projection. Greedy
+@pytest.mark.parametrize("tpa", ["1", "2"])
+def test_server_with_the_weights_split(tpa):
+    """``--tp 2``: each rank holds half of every layer's MLP and output projection (``--tpa 2``:
+    and of the attention heads, each rank the K/V of its heads, the whole sequence). Greedy
     answers equal single-process transformers', and requests run together (prompt-lookup
     drafts, a shared cached prefix, seeded sampling, joins long enough that a step's tokens
     are split over the ranks) answer exactly as each alone."""
-    s = Server("--preset", MODEL, "--nproc", "2", "--tp", "2", "--prefill-chunk", "64", "--cache-tokens", "512",
-               "--speculate", "prompt-lookup")  # fmt: skip  (joins of up to 64 tokens: steps split over the ranks)
+    s = Server("--preset", MODEL, "--nproc", "2", "--tp", "2", "--tpa", tpa, "--prefill-chunk", "64",
+               "--cache-tokens", "512", "--speculate", "prompt-lookup")  # fmt: skip  (joins of up to 64 tokens: steps split over the ranks)
     try:
         model = _model()
         g = torch.Generator().manual_seed(4)

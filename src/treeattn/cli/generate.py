@@ -144,7 +144,8 @@ def _check_fit(a, cfg, L: int, new: int, batch: int) -> None:
     if "WORLD_SIZE" in os.environ:  # torchrun
         p, local_ranks = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     plan = memory_plan(cfg, prompt_len=L, max_new_tokens=new, nproc=p, batch=batch, dtype=getattr(torch, a.dtype),
-                       prefill_chunk=a.prefill_chunk or None, tp=getattr(a, "tp", 1))  # fmt: skip
+                       prefill_chunk=a.prefill_chunk or None, tp=getattr(a, "tp", 1),
+                       tpa=getattr(a, "tpa", 1))  # fmt: skip
     gib = 2.0**30
     if a.device == "cuda":
         if not torch.cuda.is_available():

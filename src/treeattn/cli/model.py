@@ -45,6 +45,10 @@ def add_model_args(g: argparse.ArgumentParser, *, cuda_graph: bool = False) -> N
                    "holds and reads them whole) or every rank (--nproc, or torchrun's world): each reads 1/p of them "
                    "per step, with two small all-reduces per layer; auto: whichever the cost model "
                    "(treeattn.cost.layouts.pick_tp, $TREEATTN_PROFILE or the built-in preset) says decodes faster")  # fmt: skip
+    g.add_argument("--tpa", type=_tp, default=1,
+                   help="with --tp split: the attention heads split over this many slices of ranks, each slice's "
+                   "K/V sharded along the sequence over the other ranks (Helix's TPA x KVP; it divides the ranks and "
+                   "the KV heads; default 1: every rank computes every head); auto: by the cost model")  # fmt: skip
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     g.add_argument("--seed", type=int, default=0,
                    help="the random weights of a --preset (generate: also sampling, --prompt-len prompts)")  # fmt: skip
@@ -76,9 +80,10 @@ def _tp(s: str) -> int | str:
 
 
 def resolve_tp(a: argparse.Namespace, cfg, tokens: int) -> None:
-    """``--tp auto`` -> 1 or the number of ranks, by the cost model for ``tokens`` tokens in the
-    cache (every rank decides alike: the same config, preset and profile)."""
-    if a.tp != "auto":
+    """``--tp auto`` -> 1 or the number of ranks, ``--tpa auto`` -> the head split, by the cost
+    model for ``tokens`` tokens in the cache (every rank decides alike: the same config, preset
+    and profile)."""
+    if a.tp != "auto" and getattr(a, "tpa", 1) != "auto":
         return
     from ..cost.layouts import pick_tp, shape_of
     from ..cost.profile import resolve
@@ -86,13 +91,19 @@ def resolve_tp(a: argparse.Namespace, cfg, tokens: int) -> None:
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else a.nproc
     cluster, where = resolve(None, "nccl" if a.device == "cuda" else "gloo")
     es = torch.finfo(getattr(torch, a.dtype)).bits // 8
+    asked = ["--tp auto" if a.tp == "auto" else None, "--tpa auto" if getattr(a, "tpa", 1) == "auto" else None]
+    tpa = None if asked[1] else getattr(a, "tpa", 1)
     try:
-        a.tp, whole, split = pick_tp(cluster, shape_of(cfg), world, max(tokens, 1), dtype_bytes=es)
+        tp, whole, split = pick_tp(cluster, shape_of(cfg), world, max(tokens, 1), dtype_bytes=es, tpa=tpa)
     except ValueError as e:  # a cluster of fewer ranks
         raise UsageError(f"--tp auto: {e}") from e
+    if a.tp == "auto":
+        a.tp = world if tpa not in (None, 1) else tp  # a head split asked for needs the weights split
+    a.tpa = (split.tpa if a.tp > 1 else 1) if tpa is None else tpa
     if int(os.environ.get("RANK", "0")) == 0:
-        say(f"--tp auto: {a.tp} ({where}, {tokens:,} tokens over {world} ranks: weights whole "
-            f"{1e3 * whole.seconds:.2f} ms/token, split {1e3 * split.seconds:.2f})")  # fmt: skip
+        said = ", ".join(f"{x}: {v}" for x, v in zip(asked, (a.tp, a.tpa), strict=True) if x)
+        say(f"{said} ({where}, {tokens:,} tokens over {world} ranks: weights whole "
+            f"{1e3 * whole.seconds:.2f} ms/token, split at TPA {split.tpa} {1e3 * split.seconds:.2f})")  # fmt: skip
 
 
 def check_model(a: argparse.Namespace) -> tuple:
@@ -105,11 +116,18 @@ def check_model(a: argparse.Namespace) -> tuple:
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else a.nproc
     if a.tp not in (1, world, "auto"):
         raise UsageError(f"--tp {a.tp}: the weights split over 1 rank (whole) or every rank ({world}), not {a.tp}")
+    tpa = getattr(a, "tpa", 1)
+    if tpa not in (1, "auto") and a.tp == 1:
+        raise UsageError(f"--tpa {tpa} splits the attention heads of split weights: it needs --tp {world} (or auto)")
 
     model_dir, cfg = model_config(a.model) if a.model else (None, preset_config(a.preset))
     why = unsupported_reason(cfg)
     if why is not None:
         raise UsageError(why)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    hkv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    if tpa not in (1, "auto") and (world % tpa or hkv % tpa):
+        raise UsageError(f"--tpa {tpa} must divide the ranks ({world}) and the model's KV heads ({hkv})")
     return model_dir, cfg
 
 
@@ -180,10 +198,10 @@ def rank_model(a: argparse.Namespace, model_dir: str | None, spec: str | None = 
         from ..hf.tensor_parallel import tensor_parallel
 
         if model_dir:  # each rank reads its shards of the checkpoint only
-            model, tok = load_split(model_dir, dtype)
+            model, tok = load_split(model_dir, dtype, tpa=a.tpa)
         else:
             model, tok = build_model(a.preset, None, dtype, a.seed)
-            tensor_parallel(model)
+            tensor_parallel(model, tpa=a.tpa)
     else:
         model, tok = build_model(a.preset if spec is None else spec, model_dir, dtype, a.seed)
     if a.device == "cuda":  # one GPU per rank

@@ -144,12 +144,13 @@ def shape_of(config) -> Shape:
                  c.vocab_size, bool(getattr(c, "tie_word_embeddings", False)))  # fmt: skip
 
 
-def pick_tp(c: Cluster, m: Shape, n: int, seq: int, *, batch: int = 1, dtype_bytes: int = 2) -> tuple[int, Step, Step]:
+def pick_tp(c: Cluster, m: Shape, n: int, seq: int, *, batch: int = 1, dtype_bytes: int = 2,
+            tpa: int | None = 1) -> tuple[int, Step, Step]:  # fmt: skip
     """``--tp auto``: ``(1 or n, the step with the weights whole, the step with them split)``:
-    the weights split over the ``n`` ranks (the ``kvp x tp`` layout at TPA = 1, what treeattn
-    runs) when that step is faster or only it fits, else whole (``kvp``)."""
+    the weights split over the ``n`` ranks (the ``kvp x tp`` layout at ``tpa``; None: the
+    fastest head split) when that step is faster or only it fits, else whole (``kvp``)."""
     whole = step(c, m, n, seq, "kvp", batch=batch, dtype_bytes=dtype_bytes)
-    split = step(c, m, n, seq, "kvp x tp", batch=batch, dtype_bytes=dtype_bytes, tpa=1)
+    split = step(c, m, n, seq, "kvp x tp", batch=batch, dtype_bytes=dtype_bytes, tpa=tpa)
     if n == 1:
         return 1, whole, split
     better = split.seconds < whole.seconds if (whole.fits is not False) == (split.fits is not False) else split.fits

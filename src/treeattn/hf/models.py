@@ -200,10 +200,11 @@ def load_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32)
 
 def memory_plan(config, *, prompt_len: int, max_new_tokens: int, nproc: int, batch: int = 1,
                 dtype: torch.dtype = torch.float32, prefill_chunk: int | None = 1024,
-                n_params: int | None = None, tp: int = 1) -> dict[str, int]:  # fmt: skip
+                n_params: int | None = None, tp: int = 1, tpa: int = 1) -> dict[str, int]:  # fmt: skip
     """Estimated bytes per rank of a generation: ``weights`` (the whole model on every rank,
     or with ``tp`` > 1 its MLP and attention output projections split over ``tp`` ranks, as
-    :func:`treeattn.hf.tensor_parallel` splits them), ``kv_cache`` (this rank's share of
+    :func:`treeattn.hf.tensor_parallel` splits them; ``tpa`` > 1: Q/K/V and the K/V heads
+    split over ``tpa`` slices too), ``kv_cache`` (this rank's share of
     ``prompt_len + max_new_tokens`` tokens) and ``activations`` (one prefill chunk through the
     widest layer, plus the gathered queries and states of Tree prefill), and their ``total``.
     ``n_params`` (the whole model's, counted elsewhere) is taken as is, split or not."""
@@ -212,12 +213,12 @@ def memory_plan(config, *, prompt_len: int, max_new_tokens: int, nproc: int, bat
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     if n_params is None:  # embeddings (+ head unless tied) and per layer attention + gated MLP
         emb = c.vocab_size * c.hidden_size
-        qkv = c.hidden_size * hd * (c.num_attention_heads + 2 * c.num_key_value_heads)
+        qkv = c.hidden_size * hd * (c.num_attention_heads + 2 * c.num_key_value_heads) // tpa
         split = c.hidden_size * hd * c.num_attention_heads + 3 * c.hidden_size * c.intermediate_size
         layer = qkv + -(-split // tp)
         n_params = emb * (1 if getattr(c, "tie_word_embeddings", False) else 2) + c.num_hidden_layers * layer
-    tokens = -(-(prompt_len + max_new_tokens) // nproc) + 16
-    kv = c.num_hidden_layers * batch * c.num_key_value_heads * 2 * hd * tokens * es
+    tokens = -(-(prompt_len + max_new_tokens) // (nproc // tpa)) + 16  # a slice's sequence shards
+    kv = c.num_hidden_layers * batch * c.num_key_value_heads // tpa * 2 * hd * tokens * es
     share = -(-prompt_len // nproc)
     chunk = min(share, prefill_chunk or share)
     act = batch * chunk * (4 * c.hidden_size + 3 * c.intermediate_size) * 4

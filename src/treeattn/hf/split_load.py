@@ -77,10 +77,11 @@ def _tied(model: nn.Module) -> set[str]:
 
 @torch.no_grad()
 def load_split(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
-               group: dist.ProcessGroup | None = None) -> tuple:  # fmt: skip
+               group: dist.ProcessGroup | None = None, tpa: int = 1) -> tuple:  # fmt: skip
     """``(model in eval mode, tokenizer or None)`` of the local directory ``model_dir``
     (safetensors only, no remote code), its weights split over ``group`` as
-    :func:`~treeattn.hf.tensor_parallel` splits them, each rank reading only its own shards.
+    :func:`~treeattn.hf.tensor_parallel` splits them (``tpa`` > 1: the attention heads too,
+    each rank reading its slice's Q/K/V rows), each rank reading only its own shards.
     Collective over ``group``: call on every rank.
 
     Raises:
@@ -97,7 +98,7 @@ def load_split(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
     with _params_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
     model.eval()
-    tensor_parallel(model, group)
+    tensor_parallel(model, group, tpa=tpa)
     where, tied = _checkpoint(d), _tied(model)
     params = dict(model.named_parameters(remove_duplicate=False))
     todo: dict[Path, list[tuple[str, str, tuple]]] = {}

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from ..comm.collectives import all_gather, all_reduce, world
 from ..comm.shm import shm_exchange
 
+
 class _Sharded:
     """The sequence-sharded forward running: tokens per rank of ``group``, gathered inputs."""
 
