@@ -124,8 +124,8 @@ def random_tree(rng: random.Random, T: int) -> list[int]:
 
 
 def run_case(kind, placement, attention, seed, ops, B=1, ragged=False, chunk=4, max_step=6, prefill=None):
+    from treeattn.cache import auto_block
     from treeattn.hf import Session
-    from treeattn.hf._model import auto_block
 
     p = dist.get_world_size()
     rng = random.Random(seed)
@@ -338,7 +338,7 @@ def test_session_bad_calls_fail_alike_and_change_nothing(p):
 
 
 def test_auto_block():
-    from treeattn.hf._model import auto_block
+    from treeattn.cache import auto_block
 
     # 1 for p = 1 and short prompts; a power of two with at least 4 blocks per rank, at most 256
     assert [auto_block(T, 2) for T in (1, 7, 8, 16, 40, 1500, 2048, 4006, 10**6)] == [1, 1, 1, 2, 4, 128, 256, 256, 256]

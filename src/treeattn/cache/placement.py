@@ -83,3 +83,11 @@ class Placement:
             c += torch.bincount(take, minlength=self.p)
             left -= len(take)
         return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64)
+
+
+def auto_block(T: int, p: int) -> int:
+    """The interleaved placement's block for a cache whose first call has ``T`` tokens: the
+    largest power of two up to 256 that gives every rank at least 4 blocks of the prompt
+    (the ranks' shares differ by at most one block), 1 for short prompts and for p = 1."""
+    n = max(1, T // (4 * p) if p > 1 else 1)
+    return min(256, 1 << (n.bit_length() - 1))

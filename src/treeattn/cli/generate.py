@@ -165,7 +165,7 @@ def _check_fit(a, cfg, L: int, new: int, batch: int) -> None:
 
 
 def worker(a: argparse.Namespace, job: Job, local: bool) -> None:
-    from ..hf._model import auto_block
+    from ..cache import auto_block
     from ..hf.generate import generate
 
     rank, p = dist.get_rank(), dist.get_world_size()

@@ -94,7 +94,7 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def worker(a: argparse.Namespace, model_dir: str | None, local: bool) -> None:
-    from ..hf.generate import _eos_ids
+    from ..hf.generate import eos_ids
     from ..serve.engine import Engine, RankFailure
 
     rank, p = dist.get_rank(), dist.get_world_size()
@@ -124,7 +124,7 @@ def worker(a: argparse.Namespace, model_dir: str | None, local: bool) -> None:
     if defaults:
         say(f"treeattn serve: sampling defaults from the model's generation config: {defaults}")
     state = ServerState(model_name(a), tok, max_pos, engine.vocab, engine.per_rank, a.cache_tokens, a.max_queue,
-                        _eos_ids(model, None, True), engine.stats, api_key=a.api_key,
+                        eos_ids(model, None, True), engine.stats, api_key=a.api_key,
                         allowed_origins=tuple(a.allowed_origins), defaults=defaults)  # fmt: skip
     sock = _listen(a.host, a.port)
     host, port = sock.getsockname()[:2]

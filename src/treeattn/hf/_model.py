@@ -59,14 +59,6 @@ def checksum(t: Tensor) -> int:
     return h * 64 + n % 64 if n else 0
 
 
-def auto_block(T: int, p: int) -> int:
-    """The interleaved placement's block for a cache whose first call has ``T`` tokens: the
-    largest power of two up to 256 that gives every rank at least 4 blocks of the prompt
-    (the ranks' shares differ by at most one block), 1 for short prompts and for p = 1."""
-    n = max(1, T // (4 * p) if p > 1 else 1)
-    return min(256, 1 << (n.bit_length() - 1))
-
-
 def model_problem(model: torch.nn.Module) -> str | None:
     """Why treeattn cannot run ``model`` exactly, or None."""
     if getattr(model, "config", None) is None:

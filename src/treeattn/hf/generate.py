@@ -26,7 +26,9 @@ def _prompt_lens(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
     return right_padded(attention_mask, B, L, "[B, L]")
 
 
-def _eos_ids(model: torch.nn.Module, eos_token_id, stop_at_eos: bool) -> list[int]:
+def eos_ids(model: torch.nn.Module, eos_token_id, stop_at_eos: bool) -> list[int]:
+    """The token ids that end a sequence: ``eos_token_id`` (an id or a list), else the model's
+    ``generation_config.eos_token_id``, else its config's; none without ``stop_at_eos``."""
     if not stop_at_eos:
         return []
     if eos_token_id is None:
@@ -191,7 +193,7 @@ def generate(
                 f"the prompt has {L0} tokens and max_new_tokens is {max_new_tokens}, but the model supports "
                 f"{max_pos} positions (max_position_embeddings): ask for {room}"
             )
-        eos = _eos_ids(model, eos_token_id, stop_at_eos)
+        eos = eos_ids(model, eos_token_id, stop_at_eos)
         pad = _pad_id(model, pad_token_id, eos)
         _check_speculate(model, input_ids, speculate, draft_model, rank, max_new_tokens)
         contrast = _check_contrastive(penalty_alpha, top_k, do_sample, speculate, input_ids.shape[0],

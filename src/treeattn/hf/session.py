@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .._host import peak_memory_bytes
-from ..cache import ShardedKVCache
+from ..cache import ShardedKVCache, auto_block
 from ..comm.collectives import world
 from . import _model as S
 from ._calls import checked
@@ -340,7 +340,7 @@ class Session:
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.cache = ShardedKVCache(cfg.num_hidden_layers, B, kv_heads_here(self.model), hd, dtype=self.dtype,
                                     device=self.device, group=self.seq, placement=self.placement,
-                                    block=self.block or S.auto_block(T, self.p))  # fmt: skip
+                                    block=self.block or auto_block(T, self.p))  # fmt: skip
         self.cache.slot_limit = self.cache.placement.max_per_rank(self.max_length)
         self.fw.bind(self.cache)
         self.history = History(B)

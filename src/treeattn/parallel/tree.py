@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..comm._pg import world
+from ..comm.collectives import world
 from ..comm.scatter import reduce_scatter_heads
 from ..comm.strategies import STRATEGIES, auto_model, reduce_states
 from ..comm.topology import Topology

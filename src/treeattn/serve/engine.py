@@ -20,11 +20,11 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from ..cache import auto_block
 from ..cache.placement import Placement
 from ..comm.collectives import CollectiveError, broadcast, world
 from ..comm.validate import agree
 from ..config import Layout, Sampling, Serving
-from ..hf._model import auto_block
 from ..hf.batch import BatchRunner
 from .plan import MAX_DRAFT, Plan
 from .request import BadRequest, Request
