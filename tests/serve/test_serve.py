@@ -546,12 +546,75 @@ def test_lenient_requests_and_sampling_extras(tiny_server):
     # refused, naming the field: what this server cannot honour
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     for field, value in (("n", 17), ("n", True), ("best_of", 2), ("top_logprobs", 3), ("tools", []),
-                         ("response_format", {"type": "json_object"}), ("logit_bias", {"5": 1}),
-                         ("presence_penalty", 0.5), ("repetition_penalty", 1.2), ("guided_json", {}),
+                         ("response_format", {"type": "json_object"}), ("guided_json", {}),
                          ("tool_choice", "required")):  # fmt: skip
         st, body = s.request("POST", "/v1/chat/completions", {**chat, field: value})
         assert st == 400 and body["error"]["param"] == field and field in body["error"]["message"], (field, body)
+    for field, value in (("logit_bias", {"x5": 1}), ("logit_bias", {"5": 101}), ("logit_bias", {"99999": 1}),
+                         ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
+                         ("min_tokens", 17), ("min_tokens", -1)):  # fmt: skip  (out of range)
+        st, body = s.request("POST", "/v1/completions", {**base, field: value})
+        assert st == 400 and body["error"]["param"].startswith(field) and field in body["error"]["message"], body
     assert s.request("GET", "/health")[1]["status"] == "ok"
+
+
+def _processed(ids: list[int], n_prompt: int, logits, bias: dict, rep: float, pres: float, freq: float,
+               min_tokens: int, ends: list[int]):
+    """transformers' processors on ``ids`` (prompt and output so far), then OpenAI's penalties."""
+    from transformers.generation.logits_process import (
+        MinNewTokensLengthLogitsProcessor,
+        RepetitionPenaltyLogitsProcessor,
+        SequenceBiasLogitsProcessor,
+    )
+
+    x, t = logits[None].float().clone(), torch.tensor([ids])
+    if bias:
+        x = SequenceBiasLogitsProcessor({(k,): float(v) for k, v in bias.items()})(t, x)
+    x = RepetitionPenaltyLogitsProcessor(rep)(t, x) if rep != 1 else x
+    x = MinNewTokensLengthLogitsProcessor(n_prompt, min_tokens, ends)(t, x) if min_tokens else x
+    c = torch.bincount(torch.tensor(ids[n_prompt:], dtype=torch.int64), minlength=x.shape[1]).float()
+    return (x[0] - freq * c - pres * (c > 0).float())
+
+
+def test_penalties_and_logit_bias_match_transformers(tiny_server):
+    """OpenAI's presence / frequency penalties and logit_bias, vLLM's repetition_penalty and
+    min_tokens, per request, through the prompt-lookup drafts the tiny server verifies: greedy
+    and seeded answers, streamed and not, equal single-process transformers with its own
+    processors (RepetitionPenalty, SequenceBias, MinNewTokensLength, and the OpenAI formula)
+    on the same history; min_tokens holds back EOS, stop tokens and stop strings."""
+    from treeattn.hf.sampler import Sampler
+
+    s = tiny_server
+    model = _model()
+    ids = [31, 32, 33, 31, 32, 33, 31, 32]  # a repeat: prompt lookup drafts
+    cases = [dict(repetition_penalty=1.8), dict(presence_penalty=1.5, frequency_penalty=0.5),
+             dict(logit_bias={"40": 8.0, "7": -100}), dict(min_tokens=6, frequency_penalty=-0.5),
+             dict(repetition_penalty=1.3, presence_penalty=-1.0, logit_bias={"33": 3.0}, min_tokens=3)]  # fmt: skip
+    for kw in cases:
+        for sample in (False, True):
+            req = {"model": MODEL, "prompt": ids, "max_tokens": 10, **kw,
+                   **({"temperature": 1.2, "seed": 5} if sample else {"temperature": 0})}  # fmt: skip
+            bias = {int(k): v for k, v in kw.get("logit_bias", {}).items()}
+            sampler = Sampler(True, temperature=1.2, seed=5) if sample else None
+            out = list(ids)
+            with torch.no_grad():
+                for _ in range(10):
+                    x = _processed(out, len(ids), model(torch.tensor([out])).logits[0, -1], bias,
+                                   kw.get("repetition_penalty", 1.0), kw.get("presence_penalty", 0.0),
+                                   kw.get("frequency_penalty", 0.0), kw.get("min_tokens", 0), [2])  # fmt: skip
+                    out.append(sampler.next(x) if sample else int(x.argmax()))
+                    if out[-1] == 2:
+                        break
+            want = [t for t in out[len(ids) :] if t != 2]
+            st, body = s.request("POST", "/v1/completions", req)
+            assert st == 200 and _ids_of(body["choices"][0]["text"]) == want, (kw, sample, body)
+            ev = [e for e in s.events("/v1/completions", {**req, "stream": True}) if e != "[DONE]"]
+            assert _ids_of("".join(e["choices"][0]["text"] for e in ev if e["choices"])) == want, (kw, sample)
+    # min_tokens: the stop token and the stop string that would end the answer earlier wait for it
+    greedy = _by_hand(model, ids, 8)
+    base = {"model": MODEL, "prompt": ids, "max_tokens": 8, "temperature": 0}
+    st, body = s.request("POST", "/v1/completions", {**base, "stop": [f"<{greedy[0]}>"], "min_tokens": 2})
+    assert st == 200 and _ids_of(body["choices"][0]["text"])[:1] == greedy[:1], body
 
 
 def _log_softmax_steps(model, ids: list[int], toks: list[int]) -> list[torch.Tensor]:

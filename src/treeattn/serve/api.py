@@ -21,11 +21,13 @@ gets its 400 without touching the running one (and no value can overflow the int
   booleans (``stream``, ``include_usage``) JSON booleans (not ``"yes"`` or ``1``). A
   completion takes one prompt (a list of prompts is a 400).
 - as vLLM's server: ``null`` is the field left out, and a field this server does not know is
-  ignored (logged once per name). A known field it cannot honour (``n`` > 1, ``logprobs``,
-  ``tools``, a ``response_format`` other than text, penalties, ``logit_bias``, ...:
-  :data:`NOT_HONOURED`) is a 400 that names it, unless it holds its no-op value.
+  ignored (logged once per name). A known field it cannot honour (``tools``, a
+  ``response_format`` other than text, ``echo``, ...: :data:`NOT_HONOURED`) is a 400 that
+  names it, unless it holds its no-op value.
 - vLLM's sampling extras ``top_k`` (-1 or 0: off), ``min_p``, ``typical_p``, ``eta_cutoff``,
-  ``stop_token_ids`` and ``ignore_eos`` are honoured, per request.
+  ``repetition_penalty``, ``min_tokens``, ``stop_token_ids`` and ``ignore_eos`` are honoured,
+  per request, and so are OpenAI's ``presence_penalty``, ``frequency_penalty`` and
+  ``logit_bias`` (:mod:`treeattn.hf.penalties`).
 
 A body that is not JSON, or nests too deeply to parse, is a 400 too; error bodies are ASCII
 JSON, so an odd character in a request never makes its error unprintable.
@@ -218,9 +220,19 @@ def _job(state: ServerState, body) -> Job:
     if bad is not None:
         raise ApiError(400, f"stop_token_ids must lie in [0, {vocab}), got {bad}", param="stop_token_ids")
     eos = [] if body.ignore_eos else list(state.eos)
+    bias = {}
+    for k, b in body.logit_bias.items():
+        if not (k.isascii() and k.isdigit() and int(k) < vocab):
+            raise ApiError(400, f"logit_bias keys must be token ids in [0, {vocab}) (as strings), got {k[:40]!r}",
+                           param="logit_bias")  # fmt: skip
+        bias[int(k)] = b
+    if body.min_tokens > new:
+        raise ApiError(400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({new})", param="min_tokens")
     return Job(ids, new, emit=None, decode=decode, stream=stream, temperature=body.temperature, top_p=body.top_p, seed=seed,
                top_k=body.top_k if body.top_k > 0 else None, min_p=body.min_p or None, typical_p=body.typical_p,
                eta_cutoff=body.eta_cutoff or None, logprobs=logprobs, stop=[s for s in stop if s],
+               presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+               repetition_penalty=body.repetition_penalty, logit_bias=bias, min_tokens=body.min_tokens,
                eos=eos + [i for i in body.stop_token_ids if i not in eos])  # fmt: skip
 
 

@@ -26,6 +26,7 @@ from ..comm.collectives import CollectiveError, broadcast, world
 from ..comm.validate import agree
 from ..config import Layout, Sampling, Serving
 from ..hf.batch import BatchRunner
+from ..hf.penalties import penalty_problem
 from .plan import MAX_DRAFT, Plan
 from .request import BadRequest, Request
 from .scheduler import Scheduler
@@ -129,6 +130,11 @@ class Engine:
                      typical_p=req.typical_p, eta_cutoff=req.eta_cutoff)  # fmt: skip
         except ValueError as e:
             raise BadRequest(str(e)) from None
+        bad = penalty_problem(repetition=req.repetition_penalty, presence=req.presence_penalty,
+                              frequency=req.frequency_penalty, logit_bias=req.logit_bias, min_tokens=req.min_tokens,
+                              vocab=self.vocab)  # fmt: skip
+        if bad is not None:
+            raise BadRequest(bad[1])
 
     # -- every rank --------------------------------------------------------------------
     def execute(self, p: Plan) -> torch.Tensor | None:

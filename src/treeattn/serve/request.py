@@ -41,6 +41,11 @@ class Request:
     typical_p: float | None = None
     eta_cutoff: float | None = None
     logprobs: int | None = None
+    presence_penalty: float = 0.0  # the history's processors (:class:`~treeattn.hf.penalties.Penalties`)
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0  # before this many tokens: no EOS, stop token or stop string ends it
     stop: list[str] = field(default_factory=list)
     eos: list[int] = field(default_factory=list)
     cancelled: threading.Event = field(default_factory=threading.Event)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..hf.penalties import Penalties
 from ..hf.sampler import Sampler
 from .drafts import BatchDrafts, DraftPool, RowDrafts, verify
 from .plan import Plan
@@ -55,6 +56,7 @@ class Job:
     reserve: int = 0  # KV tokens per rank its own tokens may take
     t0: float = field(default_factory=time.perf_counter)
     sampler: Sampler | None = None
+    penalties: Penalties | None = None  # the history's logits processors, when the request has any
     drafts: RowDrafts | None = None  # with speculation
     draft: list[int] = field(default_factory=list)  # drafted after ``last`` in the running step
     kind: int = 0  # how far back that draft's match agrees (prompt lookup's evidence)
@@ -67,6 +69,8 @@ class Job:
         its logprobs); decide whether the request ends; send what text may go."""
         req = self.req
         self.out.append(tok)
+        if self.penalties is not None:
+            self.penalties.add(tok)
         if req.logprobs is not None and logits is not None:
             self.lps.append(logprob_entry(logits, tok, req.logprobs))
         finish = None
@@ -76,7 +80,8 @@ class Job:
             finish = "length"
         text = self._text(tok, finish is not None)
         hold = max((len(s) for s in req.stop), default=0)
-        cut = first_stop(text, req.stop, max(0, len(self.sent) - hold))
+        early = len(self.out) < req.min_tokens  # no stop string ends it yet (vLLM's min_tokens)
+        cut = None if early else first_stop(text, req.stop, max(0, len(self.sent) - hold))
         if cut is not None:
             text, finish = text[:cut], "stop"
         if finish is None and req.cancelled.is_set():
@@ -103,6 +108,16 @@ class Job:
         if tok not in req.eos:
             self.text += self.step(tok)
         return self.text
+
+
+def _chooser(j: Job, draft: list[int]):
+    """The next-token rule of ``j`` at each position of a verified line (the pending token,
+    then its draft): the sampler, after the request's history processors over the output so
+    far and the draft tokens before that position."""
+    if j.penalties is None:
+        return j.sampler.next
+    at = iter(range(len(draft) + 1))
+    return lambda lg: j.sampler.next(j.penalties(lg, draft[: next(at)]))
 
 
 def logprob_entry(logits, tok: int, top: int) -> tuple:
@@ -210,6 +225,10 @@ class Scheduler:
         job.sampler = Sampler(req.temperature > 0, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                               min_p=req.min_p, typical_p=req.typical_p, eta_cutoff=req.eta_cutoff, seed=seed,
                               device=r.device)  # fmt: skip  # temperature 0: greedy, as in OpenAI's API
+        pen = Penalties(ids, e.vocab, repetition=req.repetition_penalty, presence=req.presence_penalty,
+                        frequency=req.frequency_penalty, logit_bias=req.logit_bias, min_tokens=req.min_tokens,
+                        ends=req.eos)  # fmt: skip
+        job.penalties = pen if pen.active else None
         self.jobs.append(job)
         st = e.stats
         st["requests"] += 1
@@ -301,7 +320,7 @@ class Scheduler:
         j.draft = []
         st["decode_rows"] += decoding
         try:
-            toks = verify(logits, draft, j.sampler.next)
+            toks = verify(logits, draft, _chooser(j, draft))
             if draft:
                 j.drafts.observe(j.kind, len(draft), len(toks) - 1)
                 st["draft_tokens_offered"] += len(draft)

@@ -68,10 +68,9 @@ _logged: set[str] = set()  # unknown field names already logged
 # value is a 400 naming the field. Types count: true is not 1.
 NOT_HONOURED: dict[str, tuple] = {
     "best_of": (1,), "echo": (False,), "suffix": ("",),
-    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-    "logit_bias": ({},), "tools": (), "functions": (), "function_call": ("none",), "tool_choice": ("none", "auto"),
+    "tools": (), "functions": (), "function_call": ("none",), "tool_choice": ("none", "auto"),
     "response_format": ({"type": "text"},), "audio": (), "modalities": (["text"],), "prediction": (),
-    "min_tokens": (0,), "web_search_options": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "web_search_options": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
     "guided_grammar": (), "structured_outputs": (),
 }  # fmt: skip
 
@@ -128,6 +127,12 @@ class _Sampling(_Lenient):
     stop: Annotated[Annotated[Stop, Tag("one")] | Annotated[list[Stop], Field(max_length=4), Tag("list")],
                     _either("one", "list", "a string or a list of up to 4 strings")] | None = None  # fmt: skip
     stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] = []
+    presence_penalty: Annotated[float, Field(strict=True, allow_inf_nan=False, ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, Field(strict=True, allow_inf_nan=False, ge=-2, le=2)] = 0.0
+    repetition_penalty: Annotated[float, Field(strict=True, allow_inf_nan=False, gt=0, le=100)] = 1.0  # vLLM's
+    logit_bias: Annotated[dict[str, Annotated[float, Field(strict=True, allow_inf_nan=False, ge=-100, le=100)]],
+                          Field(max_length=1024)] = {}  # fmt: skip  # token id (a JSON key) -> bias
+    min_tokens: Annotated[Int, Field(ge=0, le=MAX_NEW_TOKENS)] = 0  # vLLM's
     ignore_eos: Bool = False
     n: Annotated[Int, Field(ge=1, le=MAX_N)] = 1
     stream: Bool = False
