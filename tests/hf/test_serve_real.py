@@ -98,6 +98,49 @@ def test_chat_logprobs_match_transformers(server, client, smol):
     assert _ask(client, CHAT, max_tokens=2).choices[0].logprobs is None
 
 
+CITY = {"type": "object", "additionalProperties": False, "required": ["city", "is_capital", "continent"],
+        "properties": {"city": {"type": "string", "maxLength": 24}, "is_capital": {"type": "boolean"},
+                       "continent": {"enum": ["Europe", "Asia", "Africa", "America"]}}}  # fmt: skip
+LIST = {"type": "object", "additionalProperties": False, "required": ["colours"],
+        "properties": {"colours": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 2,
+                                   "maxItems": 3}}}  # fmt: skip
+
+
+def test_structured_output_follows_the_schema(server, client):
+    """``response_format`` (json_schema, json_object) through the openai client, greedy and
+    seeded, two choices, streamed and not: every answer parses and validates against its
+    schema (jsonschema); schemas that match nothing or are not schemas are a 400 naming
+    response_format, and the server answers plainly afterwards."""
+    import json
+
+    jsonschema = pytest.importorskip("jsonschema")
+    asks = [("Paris: which city, is it a capital, which continent? Answer in JSON.", CITY),
+            ("Name some colours, as JSON.", LIST), ("Give a JSON object with the name and the age of a cat.", None)]  # fmt: skip
+    for text, schema in asks:
+        rf = {"type": "json_object"} if schema is None else {"type": "json_schema",
+                                                             "json_schema": {"name": "answer", "schema": schema}}  # fmt: skip
+        for kw in (dict(temperature=0), dict(temperature=0.9, seed=3, n=2)):
+            r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": text}], max_tokens=80,
+                                               response_format=rf, **kw)  # fmt: skip
+            for c in r.choices:
+                assert c.finish_reason == "stop", (text, kw, c)
+                got = json.loads(c.message.content)
+                jsonschema.validate(got, schema or {"type": "object"})
+        stream = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": text}], max_tokens=80,
+                                                response_format=rf, temperature=0, stream=True)  # fmt: skip
+        whole = "".join(e.choices[0].delta.content or "" for e in stream if e.choices)
+        jsonschema.validate(json.loads(whole), schema or {"type": "object"})
+    loop = {"$ref": "#/definitions/a", "definitions": {"a": {"$ref": "#/definitions/a"}}}
+    for bad in ({"type": "json_schema", "json_schema": {"schema": {"enum": []}}},
+                {"type": "json_schema", "json_schema": {"schema": loop}},
+                {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {"a": {"type": 7}}}}},
+                {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": []}}, {"type": "yaml"}):  # fmt: skip
+        st, body = server.request("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                                   "max_tokens": 4, "response_format": bad})  # fmt: skip
+        assert st == 400 and body["error"]["param"].startswith("response_format"), (bad, body)
+    assert _ask(client, "Hi", max_tokens=3).choices[0].message.content
+
+
 def test_tokenize_detokenize_and_cors(server, smol):
     """vLLM's /tokenize and /detokenize on the model's tokenizer (a prompt, chat messages with
     and without the generation prompt, errors that name the field), and CORS for the origins of

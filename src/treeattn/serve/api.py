@@ -49,6 +49,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
 
+from .grammar import GrammarError, Grammars
 from .metrics import Metrics
 from .request import Request as Job
 from .responses import ErrorJSON as _ErrorJSON
@@ -85,6 +86,7 @@ class ServerState:
     allowed_origins: tuple[str, ...] = ()  # CORS: origins browsers may call from (none: no CORS headers)
     defaults: dict = field(default_factory=dict)  # sampling fields a request leaves out -> the model's value
     failed: str | None = None  # why the ranks are gone (503 from then on)
+    grammars: Any = None  # the structured-output engine over the tokenizer (serve.grammar), made when first asked
     created: int = field(default_factory=lambda: int(time.time()))
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -228,12 +230,34 @@ def _job(state: ServerState, body) -> Job:
         bias[int(k)] = b
     if body.min_tokens > new:
         raise ApiError(400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({new})", param="min_tokens")
+    grammar = _grammar(state, body.response_format, eos)
     return Job(ids, new, emit=None, decode=decode, stream=stream, temperature=body.temperature, top_p=body.top_p, seed=seed,
                top_k=body.top_k if body.top_k > 0 else None, min_p=body.min_p or None, typical_p=body.typical_p,
                eta_cutoff=body.eta_cutoff or None, logprobs=logprobs, stop=[s for s in stop if s],
                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-               repetition_penalty=body.repetition_penalty, logit_bias=bias, min_tokens=body.min_tokens,
+               repetition_penalty=body.repetition_penalty, logit_bias=bias, min_tokens=body.min_tokens, grammar=grammar,
                eos=eos + [i for i in body.stop_token_ids if i not in eos])  # fmt: skip
+
+
+def _grammar(state: ServerState, rf, eos: list[int]):
+    """A maker of matchers for ``response_format`` (None: plain text); 400 naming it when it
+    cannot be honoured."""
+    if rf is None or rf.type == "text":
+        return None
+    if state.tokenizer is None:
+        raise ApiError(400, "response_format needs a model with a tokenizer", param="response_format")
+    fmt = {"type": rf.type}
+    if rf.json_schema is not None:
+        fmt["json_schema"] = {"schema": rf.json_schema.schema_}
+    try:
+        with state.lock:
+            if state.grammars is None:
+                state.grammars = Grammars(state.tokenizer, state.vocab or len(state.tokenizer), eos)
+        g = state.grammars.compile(fmt)
+    except GrammarError as e:
+        raise ApiError(400, str(e), param="response_format") from None
+    engine = state.grammars
+    return lambda: engine.matcher(g)
 
 
 class _Auth:

@@ -57,6 +57,7 @@ class Job:
     t0: float = field(default_factory=time.perf_counter)
     sampler: Sampler | None = None
     penalties: Penalties | None = None  # the history's logits processors, when the request has any
+    grammar: object | None = None  # its response_format's matcher (serve.grammar.Grammar)
     drafts: RowDrafts | None = None  # with speculation
     draft: list[int] = field(default_factory=list)  # drafted after ``last`` in the running step
     kind: int = 0  # how far back that draft's match agrees (prompt lookup's evidence)
@@ -74,6 +75,8 @@ class Job:
         if req.logprobs is not None and logits is not None:
             self.lps.append(logprob_entry(logits, tok, req.logprobs))
         finish = None
+        if self.grammar is not None and self.grammar.take(tok):  # the JSON is complete
+            finish = "stop"
         if tok in req.eos:
             finish = "stop"
         elif len(self.out) == req.max_tokens:
@@ -114,10 +117,17 @@ def _chooser(j: Job, draft: list[int]):
     """The next-token rule of ``j`` at each position of a verified line (the pending token,
     then its draft): the sampler, after the request's history processors over the output so
     far and the draft tokens before that position."""
-    if j.penalties is None:
+    if j.penalties is None and j.grammar is None:
         return j.sampler.next
     at = iter(range(len(draft) + 1))
-    return lambda lg: j.sampler.next(j.penalties(lg, draft[: next(at)]))
+
+    def choose(lg):
+        i = next(at)
+        if j.penalties is not None:
+            lg = j.penalties(lg, draft[:i])
+        return j.sampler.next(lg if j.grammar is None else j.grammar.mask(lg))
+
+    return choose
 
 
 def logprob_entry(logits, tok: int, top: int) -> tuple:
@@ -208,7 +218,8 @@ class Scheduler:
         self.clock += 1
         row = self.free.pop(0)
         job = Job(req, row, pid, keep, keep, reserve=reserve)
-        if e.num_draft:
+        job.grammar = req.grammar() if req.grammar is not None else None
+        if e.num_draft and job.grammar is None:  # (a grammar's mask follows the tokens taken: no drafts)
             job.drafts = RowDrafts(e.num_draft, self.batch_drafts.pool, self.drafters)
         if new:
             pid = job.pid = self.next_pid

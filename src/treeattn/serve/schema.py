@@ -69,7 +69,7 @@ _logged: set[str] = set()  # unknown field names already logged
 NOT_HONOURED: dict[str, tuple] = {
     "best_of": (1,), "echo": (False,), "suffix": ("",),
     "tools": (), "functions": (), "function_call": ("none",), "tool_choice": ("none", "auto"),
-    "response_format": ({"type": "text"},), "audio": (), "modalities": (["text"],), "prediction": (),
+    "audio": (), "modalities": (["text"],), "prediction": (),
     "web_search_options": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
     "guided_grammar": (), "structured_outputs": (),
 }  # fmt: skip
@@ -107,6 +107,20 @@ class Message(_Lenient):
     name: str | None = None
 
 
+class JsonSchemaFormat(_Lenient):
+    name: Text | None = None
+    description: Text | None = None
+    schema_: Annotated[dict, Field(alias="schema")]  # the JSON schema (serve.grammar compiles it)
+    strict: Bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    """OpenAI's ``response_format``: text, any JSON object, or JSON that follows a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class StreamOptions(_Lenient):
     include_usage: Bool = False
 
@@ -133,6 +147,7 @@ class _Sampling(_Lenient):
     logit_bias: Annotated[dict[str, Annotated[float, Field(strict=True, allow_inf_nan=False, ge=-100, le=100)]],
                           Field(max_length=1024)] = {}  # fmt: skip  # token id (a JSON key) -> bias
     min_tokens: Annotated[Int, Field(ge=0, le=MAX_NEW_TOKENS)] = 0  # vLLM's
+    response_format: ResponseFormat | None = None
     ignore_eos: Bool = False
     n: Annotated[Int, Field(ge=1, le=MAX_N)] = 1
     stream: Bool = False
