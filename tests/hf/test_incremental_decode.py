@@ -50,8 +50,8 @@ def test_stream_is_the_whole_decode(tok):
 
 def test_scheduler_sends_the_same_with_and_without_the_stream(tok):
     from treeattn.serve.api import _streamer
+    from treeattn.serve.job import Job
     from treeattn.serve.request import Request
-    from treeattn.serve.scheduler import Job
 
     eos = [tok.convert_tokens_to_ids("<|im_end|>")]
     for ids in _answers(tok):
