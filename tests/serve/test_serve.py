@@ -78,7 +78,7 @@ def _run(engine: Engine, jobs: list[tuple], **kw) -> list[dict]:
             else:
                 r["error"] = data
 
-        q.put(Request(ids, n, emit, decode=decode[0] if decode and decode[0] else _ids_text, eos=[2], **rkw))
+        q.put(Request(ids, n, emit, decode=decode[0] if decode and decode[0] else _ids_text, **{"eos": [2], **rkw}))
     t = threading.Thread(target=engine.serve, args=(q, stopping))
     t.start()
     while not q.empty() or any("finish_reason" not in r and "error" not in r for r in results):
@@ -120,6 +120,28 @@ def test_engine_prefix_cache_exact_and_bounded():
                       len(doc), 0, 0], cached  # fmt: skip
     assert 0 < engine.cached() <= 80
     assert engine.stats["requests"] == 7
+
+
+def test_engine_preempts_and_recomputes():
+    """K/V taken as it is used: four requests whose answers do not fit together under
+    ``cache_tokens`` all run, the newest preempted when the cache fills (its row freed) and
+    recomputed later from its prompt and answer so far; every answer (greedy, seeded sampling,
+    with a repetition penalty) equals the same request alone, nothing is emitted twice, and a
+    request alone that fills the cache ends with ``length``."""
+    model = _model()
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 500, (9,), generator=g).tolist() for _ in range(4)]
+    kws = [{}, {"temperature": 1.1, "seed": 4}, {"repetition_penalty": 1.4}, {"temperature": 0.8, "seed": 8}]
+    jobs = [(ids, 24, None, {**kw, "eos": []}) for ids, kw in zip(prompts, kws, strict=True)]  # no EOS: 24 tokens
+    alone = [_run(Engine(model, None, dict(prefill_chunk=8), cache_tokens=200, max_batch=1), [j])[0] for j in jobs]
+    eng = Engine(model, None, dict(prefill_chunk=8), cache_tokens=48, max_batch=4)  # 4 x 33 tokens do not fit
+    together = _run(eng, jobs)
+    assert eng.stats["preempted"] > 0, eng.stats
+    for a, b, (_, _, _, kw) in zip(alone, together, jobs, strict=True):
+        assert b["events"].count("start") == 1 and b["events"][-1] == "end", b["events"]
+        assert (b["text"], b["finish_reason"]) == (a["text"], a["finish_reason"]), (kw, a["text"], b["text"])
+    (r,) = _run(Engine(model, None, dict(prefill_chunk=8), cache_tokens=20, max_batch=2), [(prompts[0], 24)], eos=[])
+    assert r["finish_reason"] == "length" and 0 < r["completion_tokens"] < 24, r
 
 
 def test_engine_without_prefix_cache():
@@ -427,8 +449,12 @@ def test_tiny_server(tiny_server):
     req = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 16, "temperature": 1.5, "top_p": 0.9}
     a, b, c = (s.request("POST", "/v1/completions", {**req, "seed": sd})[1]["choices"][0]["text"] for sd in (1, 1, 2))
     assert a == b and a != c
-    st, body = s.request("POST", "/v1/completions", {**req, "max_tokens": 200})  # 203 tokens: 103 per rank > 64
-    assert st == 400 and "--cache-tokens" in body["error"]["message"], body
+    # K/V taken as used: a request alone runs until the cache (64 tokens per rank) is full, then ends (length)
+    st, body = s.request("POST", "/v1/completions", {**req, "max_tokens": 200, "ignore_eos": True})
+    n = body["usage"]["completion_tokens"]
+    assert st == 200 and body["choices"][0]["finish_reason"] == "length" and 100 < n < 200, body
+    st, body = s.request("POST", "/v1/completions", {**req, "prompt": [5] * 130})  # the prompt alone does not fit
+    assert st == 400 and "--cache-tokens" in body["error"]["message"] and body["error"]["param"] == "prompt", body
     st, body = s.request(
         "POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     )
@@ -587,7 +613,7 @@ def test_penalties_and_logit_bias_match_transformers(tiny_server):
 
     s = tiny_server
     model = _model()
-    ids = [31, 32, 33, 31, 32, 33, 31, 32]  # a repeat: prompt lookup drafts
+    ids = [71, 72, 73, 71, 72, 73, 71, 72]  # a repeat: prompt lookup drafts
     cases = [dict(repetition_penalty=1.8), dict(presence_penalty=1.5, frequency_penalty=0.5),
              dict(logit_bias={"40": 8.0, "7": -100}), dict(min_tokens=6, frequency_penalty=-0.5),
              dict(repetition_penalty=1.3, presence_penalty=-1.0, logit_bias={"33": 3.0}, min_tokens=3)]  # fmt: skip

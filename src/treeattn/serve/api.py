@@ -200,11 +200,11 @@ def _job(state: ServerState, body) -> Job:
         raise ApiError(400, f"the prompt has {L} tokens and max_tokens is {want}, but the model supports "
                        f"{state.max_positions} positions: {'shorten the prompt' if room < 1 else f'ask for at most {room}'}",
                        param="max_tokens")  # fmt: skip
-    new = want or room
-    if state.cache_tokens and state.per_rank(L + new) > state.cache_tokens:
-        raise ApiError(400, f"{L} prompt tokens plus max_tokens {new} need up to {state.per_rank(L + new)} KV tokens "
-                       f"per rank; the server holds at most {state.cache_tokens} (--cache-tokens)",
-                       param="max_tokens")  # fmt: skip
+    new = want or room  # left out: until EOS, the model's positions or --max-model-len
+    if state.cache_tokens and state.per_rank(L + 1) > state.cache_tokens:  # K/V is taken as it is used
+        raise ApiError(400, f"the prompt's {L} tokens need up to {state.per_rank(L + 1)} KV tokens per rank; the "
+                       f"server holds at most {state.cache_tokens} (--cache-tokens)",
+                       param="messages" if isinstance(body, ChatRequest) else "prompt")  # fmt: skip
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     tok = state.tokenizer
 

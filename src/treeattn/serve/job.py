@@ -31,7 +31,9 @@ class Job:
     last: int | None = None  # the token the next decode step runs
     sent: str = ""
     finish: str | None = None
-    reserve: int = 0  # KV tokens per rank its own tokens may take
+    reserve: int = 0  # KV tokens per rank its own tokens take (after the coming step)
+    block: int = 1  # its row's placement block
+    admitted: int = 0  # when it was (last) admitted: the newest is preempted first
     t0: float = field(default_factory=time.perf_counter)
     sampler: Sampler | None = None
     penalties: Penalties | None = None  # the history's logits processors, when the request has any

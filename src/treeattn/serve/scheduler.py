@@ -45,6 +45,7 @@ class Scheduler:
         self.e, self.r = engine, engine.runner
         self.jobs: list[Job] = []
         self.held: Request | None = None  # admitted next, once it fits
+        self.preempted: list[Job] = []  # preempted requests, oldest first: admitted before the queue
         self.free = list(range(engine.max_batch))
         self.trimming: list[tuple[int, int]] = []  # (row, own tokens kept) for the next plan
         self.closing: list[tuple[int, int]] = []  # (row, adopt) for the next plan
@@ -62,6 +63,16 @@ class Scheduler:
     def admit(self, requests: queue.Queue, wait: float) -> None:
         """Admit what may run now; with nothing running, wait up to ``wait`` s for a request."""
         while self.free and not self.building and not (self.closing or self.dropping):
+            if self.preempted and self.preempted[0].req.cancelled.is_set():  # its client left while it waited
+                j = self.preempted.pop(0)
+                j.finish = "cancelled"
+                self._report(j)
+                continue
+            if self.preempted:  # recomputed from its prompt and its answer so far, once it fits
+                if not self._start(self.preempted[0].req, self.preempted[0]):
+                    return
+                self.preempted.pop(0)
+                continue
             req = self.held
             self.held = None
             if req is None:
@@ -81,8 +92,11 @@ class Scheduler:
                 self.held = req
                 return
 
-    def _start(self, req: Request) -> bool:
-        e, r, ids = self.e, self.r, req.ids
+    def _start(self, req: Request, resume: Job | None = None) -> bool:
+        """Admit ``req`` when it fits (``resume``: a preempted request's job, its prompt now the
+        request's prompt and its answer so far); False: it waits."""
+        e, r = self.e, self.r
+        ids = req.ids + resume.out if resume is not None else req.ids
         L = len(ids)
         pid, keep = None, 0
         readers = {j.pid for j in self.jobs}
@@ -97,7 +111,7 @@ class Scheduler:
             pid, keep = None, 0
         new = pid is None and L > 1
         block = e.block_of(L if pid is None else None, None if pid is None else r.prefixes[pid])
-        reserve = e.per_rank(L - (L - 1 if new else keep) + req.max_tokens, block) + block
+        reserve = e.per_rank(L - (L - 1 if new else keep) + 1, block) + block  # K/V taken as used: the prompt
         need = (e.per_rank(L - 1, block) if new else 0) + reserve
         if e.cache_tokens:
             protected = readers | {pid}
@@ -113,21 +127,15 @@ class Scheduler:
             self.dropping += evict
         self.clock += 1
         row = self.free.pop(0)
-        job = Job(req, row, pid, keep, keep, reserve=reserve)
+        if resume is not None:
+            job, job.row, job.pid, job.keep, job.todo, job.opened = resume, row, pid, keep, [], False
+            job.reserve, job.block, job.admitted = reserve, block, self.clock
+            self.jobs.append(job)
+            self._plan_prompt(job, ids, new, block)
+            return True
+        job = Job(req, row, pid, keep, keep, reserve=reserve, block=block, admitted=self.clock)
         job.grammar = req.grammar() if req.grammar is not None else None
-        if e.num_draft and job.grammar is None:  # (a grammar's mask follows the tokens taken: no drafts)
-            job.drafts = RowDrafts(e.num_draft, self.batch_drafts.pool, self.drafters)
-        if new:
-            pid = job.pid = self.next_pid
-            self.next_pid += 1
-            self.building[pid] = e.per_rank(L - 1, block)
-            step = e.prefill_step
-            job.todo = [("prefix", pid, ids[a : min(a + step, L - 1)]) for a in range(0, L - 1, step)]
-            job.keep = keep = L - 1
-        if pid is not None:
-            self.used[pid] = self.clock
-        step = e.join_step
-        job.todo += [("join", ids[a : a + step]) for a in range(keep, L, step)]
+        self._plan_prompt(job, ids, new, block)
         seed = req.seed if req.seed is not None else random.getrandbits(62)
         job.sampler = Sampler(req.temperature > 0, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                               min_p=req.min_p, typical_p=req.typical_p, eta_cutoff=req.eta_cutoff, seed=seed,
@@ -144,6 +152,24 @@ class Scheduler:
         req.emit("start", {"prompt_tokens": L, "cached_tokens": job.cached})
         return True
 
+    def _plan_prompt(self, job: Job, ids: list[int], new: bool, block: int) -> None:
+        """The prefill items of a job's prompt: a new prefix's chunks, then its own tokens' joins."""
+        e = self.e
+        pid, keep, L = job.pid, job.keep, len(ids)
+        if e.num_draft and job.grammar is None:  # (a grammar's mask follows the tokens taken: no drafts)
+            job.drafts = RowDrafts(e.num_draft, self.batch_drafts.pool, self.drafters)
+        if new:
+            pid = job.pid = self.next_pid
+            self.next_pid += 1
+            self.building[pid] = e.per_rank(L - 1, block)
+            step = e.prefill_step
+            job.todo = [("prefix", pid, ids[a : min(a + step, L - 1)]) for a in range(0, L - 1, step)]
+            job.keep = keep = L - 1
+        if pid is not None:
+            self.used[pid] = self.clock
+        step = e.join_step
+        job.todo += [("join", ids[a : a + step]) for a in range(keep, L, step)]
+
     def _committed(self) -> int:
         """KV tokens per rank held or promised: prefixes (a prefix being built at its full
         size) and every running request's own tokens."""
@@ -159,6 +185,8 @@ class Scheduler:
             if j.finish is None and j.req.cancelled.is_set():
                 j.finish = "cancelled"
                 self._end(j)
+        if self.e.cache_tokens:
+            self._fit()
         p = Plan(trims=self.trimming, closes=self.closing, drops=self.dropping)
         self.trimming, self.closing, self.dropping = [], [], []
         budget = self.e.join_step
@@ -184,6 +212,53 @@ class Scheduler:
                 j.opened = True
                 budget -= len(ids)
         return None if p.empty() else p
+
+    def _fit(self) -> None:
+        """K/V taken as it is used: the decoding rows' tokens of the coming step (a token and
+        at most a full draft each) must fit under ``cache_tokens`` per rank. If they do not,
+        prefixes no running request reads go first (least recently used), then the newest
+        running requests are preempted (their rows freed; each is recomputed later from its
+        prompt and its answer so far, and goes on where it stopped); a request running alone
+        that has filled the cache ends (``length``)."""
+        e = self.e
+        for j in self.jobs:
+            if not j.todo:
+                own = len(j.req.ids) - j.keep + len(j.out) + e.num_draft  # the row after this step
+                j.reserve = e.per_rank(own, j.block) + j.block
+        total = self._committed()
+        if total <= e.cache_tokens:
+            return
+        readers = {j.pid for j in self.jobs}
+        for q in sorted((q for q in self.r.prefixes if q not in readers and q not in self.dropping),
+                        key=lambda q: self.used.get(q, 0)):  # fmt: skip
+            if total <= e.cache_tokens:
+                return
+            self.dropping.append(q)
+            total -= self.r.held(q)
+        while total > e.cache_tokens and self.jobs:
+            decoding = [j for j in self.jobs if not j.todo]
+            if len(self.jobs) == 1 or not decoding:
+                for j in decoding:
+                    j.finish = "length"
+                    self._end(j)
+                return
+            j = max(decoding, key=lambda x: x.admitted)
+            total -= j.reserve
+            self._preempt(j)
+
+    def _preempt(self, j: Job) -> None:
+        self.jobs.remove(j)
+        if j.drafts is not None:
+            j.drafts.release()
+            j.drafts = None
+        if j.opened:
+            self.closing.append((j.row, 0))
+        self.free.append(j.row)
+        self.free.sort()
+        j.draft, j.opened = [], False
+        self.preempted.append(j)
+        self.preempted.sort(key=lambda x: x.t0)
+        self.e.stats["preempted"] += 1
 
     def _drafts(self) -> None:
         """Each decoding request's draft for this step (none without speculation)."""
@@ -259,7 +334,11 @@ class Scheduler:
             self.building.pop(j.pid, None)
             if not e.cache_tokens and all(x.pid != j.pid for x in self.jobs):
                 self.dropping.append(j.pid)
-        st = e.stats
+        self._report(j)
+
+    def _report(self, j: Job) -> None:
+        """A finished request's counts and its end event (none after an error)."""
+        st = self.e.stats
         st["completion_tokens"] += len(j.out)
         if j.finish == "cancelled":
             st["cancelled"] += 1
@@ -276,6 +355,9 @@ class Scheduler:
             j.req.emit("error", (status, message))
             j.finish = "error"
             self._end(j)
+        for j in self.preempted:
+            j.req.emit("error", (status, message))
+        self.preempted = []
         if self.held is not None:
             self.held.emit("error", (status, message))
         self.held, self.held_back = None, False
