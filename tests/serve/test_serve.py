@@ -684,6 +684,41 @@ def test_completion_logprobs_match_transformers(tiny_server):
     assert st == 400 and "logprobs" in body["error"]["message"]
 
 
+def test_completion_echo_with_prompt_logprobs(tiny_server):
+    """``echo`` on /v1/completions (lm-eval's loglikelihood requests): the answer's text and
+    logprobs begin with the prompt's, the first prompt token without a logprob, every other
+    within 1e-4 of transformers' log-softmax on the prefix before it, also when the prompt's
+    beginning is cached; streamed the same; echo without logprobs is the prompt's text then
+    the answer; chat has no echo (400)."""
+    s = tiny_server
+    model = _model()
+    ids = [81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91]  # longer than a prefill chunk (8): joins of two chunks
+    req = {"model": MODEL, "prompt": ids, "max_tokens": 3, "temperature": 0, "logprobs": 2, "echo": True,
+           "ignore_eos": True}  # fmt: skip
+    s.request("POST", "/v1/completions", {**req, "prompt": ids[:9], "echo": False})  # the beginning cached
+    st, body = s.request("POST", "/v1/completions", req)
+    assert st == 200, body
+    c = body["choices"][0]
+    lp, answer = c["logprobs"], _ids_of(c["text"])
+    assert answer[: len(ids)] == ids and len(answer) == len(ids) + 3, c["text"]
+    toks = _ids_of("".join(lp["tokens"]))
+    assert toks == answer and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    lsm = _log_softmax_steps(model, ids[:1], answer[1:])  # the log-softmax before each token after the first
+    for k, (t, got, top) in enumerate(zip(answer[1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:], strict=True)):
+        assert abs(got - float(lsm[k][t])) < 1e-4, (k, got, float(lsm[k][t]))
+        v, i = lsm[k].topk(2)
+        assert list(top) == [f"<{x}>" for x in i.tolist()], (k, top)
+    assert body["usage"]["prompt_tokens"] == len(ids) and body["usage"]["completion_tokens"] == 3
+    ev = [e for e in s.events("/v1/completions", {**req, "stream": True}) if e != "[DONE]"]
+    assert _ids_of("".join(e["choices"][0]["text"] for e in ev if e["choices"])) == answer
+    assert [x for e in ev if e["choices"] and e["choices"][0]["logprobs"] for x in e["choices"][0]["logprobs"]["tokens"]] == lp["tokens"]
+    st, body = s.request("POST", "/v1/completions", {**req, "logprobs": None})
+    assert st == 200 and _ids_of(body["choices"][0]["text"]) == answer and body["choices"][0]["logprobs"] is None
+    st, body = s.request("POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                          "echo": True})  # fmt: skip
+    assert st == 400 and body["error"]["param"] == "echo", body
+
+
 @pytest.mark.parametrize("tpa", ["1", "2"])
 def test_server_with_the_weights_split(tpa):
     """``--tp 2``: each rank holds half of every layer's MLP and output projection (``--tpa 2``:

@@ -231,11 +231,15 @@ def _job(state: ServerState, body) -> Job:
     if body.min_tokens > new:
         raise ApiError(400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({new})", param="min_tokens")
     grammar = _grammar(state, body.response_format, eos)
+    echo = None
+    if getattr(body, "echo", False):
+        echo = body.prompt if isinstance(body.prompt, str) else decode(ids)
     return Job(ids, new, emit=None, decode=decode, stream=stream, temperature=body.temperature, top_p=body.top_p, seed=seed,
                top_k=body.top_k if body.top_k > 0 else None, min_p=body.min_p or None, typical_p=body.typical_p,
                eta_cutoff=body.eta_cutoff or None, logprobs=logprobs, stop=[s for s in stop if s],
                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                repetition_penalty=body.repetition_penalty, logit_bias=bias, min_tokens=body.min_tokens, grammar=grammar,
+               echo=echo,
                eos=eos + [i for i in body.stop_token_ids if i not in eos])  # fmt: skip
 
 

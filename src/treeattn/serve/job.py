@@ -34,6 +34,9 @@ class Job:
     reserve: int = 0  # KV tokens per rank its own tokens take (after the coming step)
     block: int = 1  # its row's placement block
     admitted: int = 0  # when it was (last) admitted: the newest is preempted first
+    echo_at: int = -1  # echo with logprobs: the prompt position of its next join chunk (-1: none pending)
+    echo_lps: list = field(default_factory=list)  # the prompt's logprob entries so far
+    echoed: bool = False  # the prompt was echoed (a recomputed request does not echo again)
     t0: float = field(default_factory=time.perf_counter)
     sampler: Sampler | None = None
     penalties: Penalties | None = None  # the history's logits processors, when the request has any
@@ -44,6 +47,27 @@ class Job:
     lps: list = field(default_factory=list)  # logprob entries not sent yet
     text: str = ""  # the answer's text so far, with an incremental decoder
     step: Callable[[int], str] | None = None  # that decoder
+
+    def prompt_logprobs(self, logits) -> None:
+        """A join chunk's logits ``[n, V]`` (every token's): the logprob entries of the prompt
+        tokens they predict (the chunk's last row predicts the next chunk's first token, or
+        the answer's)."""
+        ids, top = self.req.ids, self.req.logprobs
+        for i in range(logits.shape[0]):
+            q = self.echo_at + i + 1
+            if q < len(ids):
+                self.echo_lps.append(logprob_entry(logits[i], ids[q], top))
+        self.echo_at += logits.shape[0]
+
+    def echo(self) -> None:
+        """Send the prompt before the answer (completions' ``echo``): its text, and with
+        logprobs its tokens' entries (the first token has none)."""
+        req = self.req
+        if req.logprobs is not None:
+            req.emit("logprobs", [(req.ids[0], None, None), *self.echo_lps])
+        if req.echo:
+            req.emit("text", req.echo)
+        self.echo_lps, self.echo_at, self.echoed = [], -1, True
 
     def take(self, tok: int, logits=None) -> None:
         """Append a sampled token (``logits`` ``[V]``: the distribution it was chosen from, for

@@ -29,6 +29,6 @@ def completion(entries: list, name: Name, offset: int, top: int) -> dict:
         toks.append(name(t))
         offsets.append(offset)
         offset += len(toks[-1])
-    tops = [{name(a): alp for a, alp in alt} for _, _, alt in entries] if top else None
+    tops = [None if alt is None else {name(a): alp for a, alp in alt} for _, _, alt in entries] if top else None
     return {"tokens": toks, "token_logprobs": [lp for _, lp, _ in entries], "top_logprobs": tops,
             "text_offset": offsets}  # fmt: skip

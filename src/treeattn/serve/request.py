@@ -46,6 +46,7 @@ class Request:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0  # before this many tokens: no EOS, stop token or stop string ends it
+    echo: str | None = None  # completions' echo: the prompt's text, sent before the answer (None: no echo)
     grammar: Callable[[], object] | None = None  # a new matcher of its response_format (serve.grammar.Grammar)
     stop: list[str] = field(default_factory=list)
     eos: list[int] = field(default_factory=list)

@@ -100,8 +100,9 @@ class Scheduler:
         L = len(ids)
         pid, keep = None, 0
         readers = {j.pid for j in self.jobs}
+        whole = req.echo is not None and req.logprobs is not None and resume is None  # every prompt token's logits
         for q, sess in r.prefixes.items():
-            if q in self.dropping:
+            if q in self.dropping or whole:
                 continue
             # the last prompt token runs: its logits start the answer
             k = min(sess.common_prefix(torch.tensor(ids)), L - 1)
@@ -109,7 +110,7 @@ class Scheduler:
                 pid, keep = q, k
         if pid is not None and L - keep > keep:  # it would add more than it reuses: a prefix of its own
             pid, keep = None, 0
-        new = pid is None and L > 1
+        new = pid is None and L > 1 and not whole
         block = e.block_of(L if pid is None else None, None if pid is None else r.prefixes[pid])
         reserve = e.per_rank(L - (L - 1 if new else keep) + 1, block) + block  # K/V taken as used: the prompt
         need = (e.per_rank(L - 1, block) if new else 0) + reserve
@@ -133,7 +134,7 @@ class Scheduler:
             self.jobs.append(job)
             self._plan_prompt(job, ids, new, block)
             return True
-        job = Job(req, row, pid, keep, keep, reserve=reserve, block=block, admitted=self.clock)
+        job = Job(req, row, pid, keep, keep, reserve=reserve, block=block, admitted=self.clock, echo_at=0 if whole else -1)
         job.grammar = req.grammar() if req.grammar is not None else None
         self._plan_prompt(job, ids, new, block)
         seed = req.seed if req.seed is not None else random.getrandbits(62)
@@ -207,7 +208,8 @@ class Scheduler:
                     p.prefix, p.builder = (j.todo[0][1], j.todo[0][2]), j
             elif budget > 0:  # a chunk of a joining request's own prompt; the first always fits
                 ids = j.todo[0][1]
-                p.lines.append((j.row, int(not j.opened), -1 if j.pid is None else j.pid, j.keep, 0, ids))
+                full = int(j.echo_at >= 0)  # echo with logprobs: every prompt token's logits
+                p.lines.append((j.row, int(not j.opened), -1 if j.pid is None else j.pid, j.keep, full, ids))
                 p.jobs.append(j)
                 j.opened = True
                 budget -= len(ids)
@@ -291,8 +293,13 @@ class Scheduler:
             joined = bool(j.todo)
             if joined:  # a join chunk
                 j.todo.pop(0)
+                if j.echo_at >= 0:
+                    j.prompt_logprobs(lg)
+                    lg = lg[-1:]
                 if j.todo:
                     continue
+                if j.req.echo is not None and not j.echoed:
+                    j.echo()
             self._take(j, lg, not joined)
 
     def _take(self, j: Job, logits, decoding: bool = True) -> None:

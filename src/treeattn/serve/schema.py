@@ -67,7 +67,7 @@ _logged: set[str] = set()  # unknown field names already logged
 # known fields this server cannot honour -> their no-op values (what they may hold); any other
 # value is a 400 naming the field. Types count: true is not 1.
 NOT_HONOURED: dict[str, tuple] = {
-    "best_of": (1,), "echo": (False,), "suffix": ("",),
+    "best_of": (1,), "echo": (False,), "suffix": ("",),  # (echo: on completions only)
     "tools": (), "functions": (), "function_call": ("none",), "tool_choice": ("none", "auto"),
     "audio": (), "modalities": (["text"],), "prediction": (),
     "web_search_options": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
@@ -175,6 +175,7 @@ class CompletionRequest(_Sampling):
                       _either("text", "ids", "a string or a list of token ids (one prompt a request: not a list "
                               "of prompts)", nested=False)]  # fmt: skip
     logprobs: TopLogprobs | None = None
+    echo: Bool = False  # the prompt before the answer (with logprobs: its tokens' too)
 
     def logprob_count(self) -> int | None:
         return self.logprobs
