@@ -144,6 +144,45 @@ def test_engine_preempts_and_recomputes():
     assert r["finish_reason"] == "length" and 0 < r["completion_tokens"] < 24, r
 
 
+def test_engine_no_head_of_line_blocking():
+    """While a new document is prefilled chunk by chunk, a question on a cached document is
+    admitted and answered before the new document's first token; a second new document waits
+    for the first to be built (one new prefix at a time) and then runs; every answer equals
+    single-process transformers."""
+    model = _model()
+    g = torch.Generator().manual_seed(11)
+    cached, big, other = (torch.randint(3, 500, (n,), generator=g).tolist() for n in (20, 160, 40))
+    eng = Engine(model, None, dict(prefill_chunk=8), cache_tokens=400, max_batch=4)
+    _run(eng, [(cached + [7], 2)])
+    order, results = [], {}
+    q, stopping = queue.Queue(), threading.Event()
+    reqs = {"new": big + [5, 6], "cached": cached + [8, 9], "other": other + [4]}
+    for name, ids in reqs.items():
+        results[name] = []
+
+        def emit(kind, data, name=name):
+            order.append((name, kind))
+            if kind == "text":
+                results[name].append(data)
+
+        q.put(Request(ids, 4, emit, decode=_ids_text, eos=[], temperature=0.0))
+    t = threading.Thread(target=eng.serve, args=(q, stopping))
+    t.start()
+    deadline = time.monotonic() + 120
+    while sum(k == "end" for _, k in order) < 3:
+        assert t.is_alive() and time.monotonic() < deadline, order
+        time.sleep(0.01)
+    stopping.set()
+    t.join(10)
+    first_text = {n: order.index((n, "text")) for n in reqs}
+    assert order.index(("cached", "end")) < first_text["new"], order  # answered during the big prefill
+    # one new prefix at a time: the second new document waits until the first is built (20 steps of 8
+    # tokens), long after the cached question (6 steps) ended
+    assert order.index(("cached", "end")) < order.index(("other", "start")), order
+    for name, ids in reqs.items():
+        assert _ids_of("".join(results[name])) == _reference(model, ids, 4), name
+
+
 def test_engine_without_prefix_cache():
     model = _model()
     engine = Engine(model, None, dict(prefill_chunk=None), cache_tokens=0)

@@ -1,11 +1,12 @@
 """Rank 0's side of the batched server: which requests run, what each step does, and what
 each request's tokens become (sampling, stop strings, streamed text).
 
-The scheduler admits a queued request when a row is free and no new prefix is being
-prefilled, chooses the cached prefix it reuses (the longest common prefix, when that keeps
-at least as much as the request adds; otherwise the prompt becomes a new prefix), evicts
-least recently used prefixes that no running request reads to stay within ``cache_tokens``
-per rank, and builds each step's plan: rejected draft tokens to trim, rows to close,
+The scheduler admits a queued request when a row is free (one that would start a new prefix
+while another is being prefilled waits, the others go by), chooses the cached prefix it
+reuses (the longest common prefix, when that keeps at least as much as the request adds;
+otherwise the prompt becomes a new prefix), evicts least recently used prefixes that no
+running request reads to stay within ``cache_tokens`` per rank (taken as used: it preempts
+the newest running request when the decoding rows fill it, :meth:`Scheduler._fit`), and builds each step's plan: rejected draft tokens to trim, rows to close,
 prefixes to drop, at most one chunk of a new prefix, and the lines of one forward: chunks of
 the joining requests' own prompts (up to ``prefill_chunk`` tokens in all, at least one chunk)
 and a token for every decoding request (with speculation, followed by its draft:
@@ -44,7 +45,7 @@ class Scheduler:
     def __init__(self, engine) -> None:
         self.e, self.r = engine, engine.runner
         self.jobs: list[Job] = []
-        self.held: Request | None = None  # admitted next, once it fits
+        self.waiting: list[Request] = []  # taken from the queue, checked, admitted in order once they fit
         self.preempted: list[Job] = []  # preempted requests, oldest first: admitted before the queue
         self.free = list(range(engine.max_batch))
         self.trimming: list[tuple[int, int]] = []  # (row, own tokens kept) for the next plan
@@ -61,26 +62,47 @@ class Scheduler:
 
     # -- admission -------------------------------------------------------------------
     def admit(self, requests: queue.Queue, wait: float) -> None:
-        """Admit what may run now; with nothing running, wait up to ``wait`` s for a request."""
-        while self.free and not self.building and not (self.closing or self.dropping):
+        """Admit what may run now; with nothing running, wait up to ``wait`` s for a request.
+        Preempted requests go first, then the waiting ones in order: one that waits for room
+        holds back those behind it, but one that would start a new prefix while another is
+        being prefilled lets the others by (a question on a cached document does not wait for
+        a new document's prefill: no head-of-line blocking)."""
+        while self.free and not (self.closing or self.dropping):
             if self.preempted and self.preempted[0].req.cancelled.is_set():  # its client left while it waited
                 j = self.preempted.pop(0)
                 j.finish = "cancelled"
                 self._report(j)
                 continue
             if self.preempted:  # recomputed from its prompt and its answer so far, once it fits
-                if not self._start(self.preempted[0].req, self.preempted[0]):
+                got = self._start(self.preempted[0].req, self.preempted[0])
+                if got is True:
+                    self.preempted.pop(0)
+                    continue
+                if got == "room":
                     return
-                self.preempted.pop(0)
+            started = False
+            for i, req in enumerate(self.waiting):
+                if req.cancelled.is_set():  # its client left while it waited
+                    self.e.stats["cancelled"] += 1
+                    del self.waiting[i]
+                    started = True
+                    break
+                got = self._start(req)
+                if got is True:
+                    del self.waiting[i]
+                    started = True
+                    break
+                if got == "room":
+                    return
+            if started:
                 continue
-            req = self.held
-            self.held = None
-            if req is None:
-                try:
-                    req = requests.get(timeout=wait) if not self.jobs and wait else requests.get_nowait()
-                except queue.Empty:
-                    return
-            if req.cancelled.is_set():  # its client left while it waited
+            if len(self.waiting) >= 2 * self.e.max_batch:  # (what waits stays in the bounded queue)
+                return
+            try:
+                req = requests.get(timeout=wait) if not self.jobs and wait else requests.get_nowait()
+            except queue.Empty:
+                return
+            if req.cancelled.is_set():
                 self.e.stats["cancelled"] += 1
                 continue
             try:
@@ -88,13 +110,12 @@ class Scheduler:
             except BadRequest as err:
                 req.emit("error", (400, str(err)))
                 continue
-            if not self._start(req):
-                self.held = req
-                return
+            self.waiting.append(req)
 
-    def _start(self, req: Request, resume: Job | None = None) -> bool:
+    def _start(self, req: Request, resume: Job | None = None) -> bool | str:
         """Admit ``req`` when it fits (``resume``: a preempted request's job, its prompt now the
-        request's prompt and its answer so far); False: it waits."""
+        request's prompt and its answer so far): True; else why it waits: ``"room"`` (K/V for
+        it) or ``"building"`` (it would start a new prefix while one is being prefilled)."""
         e, r = self.e, self.r
         ids = req.ids + resume.out if resume is not None else req.ids
         L = len(ids)
@@ -102,7 +123,7 @@ class Scheduler:
         readers = {j.pid for j in self.jobs}
         whole = req.echo is not None and req.logprobs is not None and resume is None  # every prompt token's logits
         for q, sess in r.prefixes.items():
-            if q in self.dropping or whole:
+            if q in self.dropping or q in self.building or whole:  # (a prefix being built is not read yet)
                 continue
             # the last prompt token runs: its logits start the answer
             k = min(sess.common_prefix(torch.tensor(ids)), L - 1)
@@ -111,6 +132,8 @@ class Scheduler:
         if pid is not None and L - keep > keep:  # it would add more than it reuses: a prefix of its own
             pid, keep = None, 0
         new = pid is None and L > 1 and not whole
+        if new and self.building:  # one new prefix at a time: it waits, the others go by
+            return "building"
         block = e.block_of(L if pid is None else None, None if pid is None else r.prefixes[pid])
         reserve = e.per_rank(L - (L - 1 if new else keep) + 1, block) + block  # K/V taken as used: the prompt
         need = (e.per_rank(L - 1, block) if new else 0) + reserve
@@ -124,7 +147,7 @@ class Scheduler:
                 evict.append(q)
                 total -= r.held(q)
             if total > e.cache_tokens and self.jobs:  # wait for running requests to end (evicting nothing)
-                return False
+                return "room"
             self.dropping += evict
         self.clock += 1
         row = self.free.pop(0)
@@ -365,6 +388,6 @@ class Scheduler:
         for j in self.preempted:
             j.req.emit("error", (status, message))
         self.preempted = []
-        if self.held is not None:
-            self.held.emit("error", (status, message))
-        self.held, self.held_back = None, False
+        for req in self.waiting:
+            req.emit("error", (status, message))
+        self.waiting, self.held_back = [], False
