@@ -110,7 +110,8 @@ def test_structured_output_follows_the_schema(server, client):
     """``response_format`` (json_schema, json_object) through the openai client, greedy and
     seeded, two choices, streamed and not: every answer parses and validates against its
     schema (jsonschema); schemas that match nothing or are not schemas are a 400 naming
-    response_format, and the server answers plainly afterwards."""
+    response_format, tools with this template (it takes none) a 400 naming tools, and the
+    server answers plainly afterwards."""
     import json
 
     jsonschema = pytest.importorskip("jsonschema")
@@ -138,6 +139,10 @@ def test_structured_output_follows_the_schema(server, client):
         st, body = server.request("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                                    "max_tokens": 4, "response_format": bad})  # fmt: skip
         assert st == 400 and body["error"]["param"].startswith("response_format"), (bad, body)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    st, body = server.request("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                               "tools": [tool]})  # fmt: skip
+    assert st == 400 and body["error"]["param"] == "tools" and "takes no tools" in body["error"]["message"], body
     assert _ask(client, "Hi", max_tokens=3).choices[0].message.content
 
 

@@ -49,6 +49,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
 
+from . import tools as TOOLS
 from .grammar import GrammarError, Grammars
 from .metrics import Metrics
 from .request import Request as Job
@@ -91,10 +92,6 @@ class ServerState:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def _text(content) -> str:
-    return content if isinstance(content, str) else "".join(p.text for p in content)
-
-
 def _ids(state: ServerState, body) -> list[int]:
     """The prompt's token ids, each checked to lie in the vocabulary."""
     tok, chat = state.tokenizer, isinstance(body, ChatRequest)
@@ -103,14 +100,14 @@ def _ids(state: ServerState, body) -> list[int]:
     if chat:
         if tok is None or not getattr(tok, "chat_template", None):
             raise ApiError(400, "this model has no chat template: use /v1/completions", param="messages")
-        msgs = [{"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)}
-                for m in body.messages]  # fmt: skip
-        n = sum(len(m["content"]) for m in msgs)
+        msgs = TOOLS.messages(body.messages)
+        n = sum(len(m["content"] or "") + len(str(m.get("tool_calls", ""))) for m in msgs)
         if n > limit:
             raise ApiError(400, f"the messages have {n} characters; this server takes at most {limit} "
                            f"({CHARS_PER_POSITION} per model position)", param="messages")  # fmt: skip
         try:
-            enc = tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True)
+            kw = {"tools": TOOLS.for_template([t.model_dump() for t in body.tools])} if _tools_on(body) else {}
+            enc = tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True, **kw)
         except Exception as e:  # a template that raises (roles that do not alternate, ...)
             raise ApiError(400, f"the chat template refused these messages: {e}", param="messages") from None
         ids = list(enc["input_ids"])
@@ -230,7 +227,7 @@ def _job(state: ServerState, body) -> Job:
         bias[int(k)] = b
     if body.min_tokens > new:
         raise ApiError(400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({new})", param="min_tokens")
-    grammar = _grammar(state, body.response_format, eos)
+    grammar = _grammar(state, body, eos)
     echo = None
     if getattr(body, "echo", False):
         echo = body.prompt if isinstance(body.prompt, str) else decode(ids)
@@ -243,23 +240,44 @@ def _job(state: ServerState, body) -> Job:
                eos=eos + [i for i in body.stop_token_ids if i not in eos])  # fmt: skip
 
 
-def _grammar(state: ServerState, rf, eos: list[int]):
-    """A maker of matchers for ``response_format`` (None: plain text); 400 naming it when it
-    cannot be honoured."""
-    if rf is None or rf.type == "text":
+def _tools_on(body) -> bool:
+    return bool(getattr(body, "tools", None)) and getattr(body, "tool_choice", None) != "none"
+
+
+def _grammar(state: ServerState, body, eos: list[int]):
+    """A maker of matchers for ``response_format`` or a forced ``tool_choice`` (None: free
+    text); 400 naming the field when it cannot be honoured."""
+    rf = body.response_format
+    forced = None
+    if _tools_on(body):
+        try:
+            TOOLS.check_template(getattr(state.tokenizer, "chat_template", None))
+            forced = TOOLS.forced_grammar([t.model_dump() for t in body.tools],
+                                          getattr(body.tool_choice, "model_dump", lambda: body.tool_choice)())  # fmt: skip
+        except TOOLS.ToolError as e:
+            raise ApiError(400, str(e), param="tool_choice" if "tool_choice" in str(e) else "tools") from None
+    elif getattr(body, "tool_choice", None) not in (None, "none", "auto"):
+        raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+    if forced is None and (rf is None or rf.type == "text"):
         return None
+    param = "tool_choice" if forced is not None else "response_format"
+    if forced is not None and rf is not None and rf.type != "text":
+        raise ApiError(400, "a forced tool_choice and a response_format cannot go together", param="response_format")
     if state.tokenizer is None:
-        raise ApiError(400, "response_format needs a model with a tokenizer", param="response_format")
-    fmt = {"type": rf.type}
-    if rf.json_schema is not None:
-        fmt["json_schema"] = {"schema": rf.json_schema.schema_}
+        raise ApiError(400, f"{param} needs a model with a tokenizer", param=param)
     try:
         with state.lock:
             if state.grammars is None:
                 state.grammars = Grammars(state.tokenizer, state.vocab or len(state.tokenizer), eos)
-        g = state.grammars.compile(fmt)
+        if forced is not None:
+            g = state.grammars.compile_lark(forced)
+        else:
+            fmt = {"type": rf.type}
+            if rf.json_schema is not None:
+                fmt["json_schema"] = {"schema": rf.json_schema.schema_}
+            g = state.grammars.compile(fmt)
     except GrammarError as e:
-        raise ApiError(400, str(e), param="response_format") from None
+        raise ApiError(400, str(e), param="tools" if forced is not None else param) from None
     engine = state.grammars
     return lambda: engine.matcher(g)
 
@@ -366,7 +384,7 @@ def build_app(state: ServerState) -> FastAPI:
         lp = None if jobs[0].logprobs is None else (_token_name(state), jobs[0].logprobs)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EventSourceResponse(stream_answer(jobs, events, head, chat, usage, lp))
-        return await whole_answer(jobs, events, request, head, chat, lp)
+            return EventSourceResponse(stream_answer(jobs, events, head, chat, usage, lp, tools=_tools_on(body)))
+        return await whole_answer(jobs, events, request, head, chat, lp, tools=_tools_on(body))
 
     return app

@@ -56,9 +56,22 @@ class Grammars:
             grammar = LLMatcher.grammar_from_json_schema(text)
         except ValueError as e:
             raise GrammarError(f"the schema: {e}") from None
+        return self._checked(grammar)
+
+    def compile_lark(self, lark: str) -> str:
+        """A Lark grammar (llguidance's dialect, ``%json {schema}`` inside), checked as above."""
+        from llguidance import LLMatcher
+
+        if len(lark) > 2 * MAX_SCHEMA_CHARS:
+            raise GrammarError(f"the grammar has {len(lark)} characters; at most {2 * MAX_SCHEMA_CHARS}")
+        return self._checked(LLMatcher.grammar_from_lark(lark))
+
+    def _checked(self, grammar: str) -> str:
+        from llguidance import LLMatcher
+
         err = LLMatcher.validate_grammar(grammar, self.tok)
         if err and not err.startswith("WARNING"):
-            raise GrammarError(f"the schema: {err}")
+            raise GrammarError(f"the schema: {err.splitlines()[0][:300]}")
         g = Grammar(self, grammar)
         first = g.allowed()  # (some errors show only when the first mask is computed)
         if g.m.is_error():

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from fastapi.sse import format_sse_event
 
 from . import logprobs as LP
+from . import tools as TOOLS
 from .request import Request as Job
 from .schema import ApiError
 
@@ -66,7 +67,9 @@ def _logprobs(lp, entries: list, chat: bool, offset: int) -> dict | None:
     return LP.chat(entries, name) if chat else LP.completion(entries, name, offset, top)
 
 
-async def whole_answer(jobs: list[Job], events: asyncio.Queue, request: Request, head: dict, chat: bool, lp=None):
+async def whole_answer(jobs: list[Job], events: asyncio.Queue, request: Request, head: dict, chat: bool, lp=None,
+                       tools: bool = False):  # fmt: skip
+    """The whole answer (``tools``: each chat choice's text parsed for tool calls)."""
     n = len(jobs)
     parts, entries, ends, seen = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n, [time.monotonic()]
     try:
@@ -88,14 +91,23 @@ async def whole_answer(jobs: list[Job], events: asyncio.Queue, request: Request,
         text = "".join(parts[i])
         c = {"index": i, "finish_reason": ends[i]["finish_reason"], "logprobs": _logprobs(lp, entries[i], chat, 0)}
         c.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        if tools:
+            content, calls = TOOLS.parse(text, f"{head['id']}_{i}")
+            if calls:
+                c["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                c["finish_reason"] = "tool_calls"
         choices.append(c)
     return {**head, "choices": choices, "usage": _usage(ends)}
 
 
-async def stream_answer(jobs: list[Job], events: asyncio.Queue, head: dict, chat: bool, usage: bool, lp=None):
+async def stream_answer(jobs: list[Job], events: asyncio.Queue, head: dict, chat: bool, usage: bool, lp=None,
+                        tools: bool = False):  # fmt: skip
+    """The answer as server-sent events (``tools``: content up to a tool call's start, then
+    the calls as ``tool_calls`` deltas when the choice ends)."""
     head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
     n = len(jobs)
     pending, sent, ends = [[] for _ in range(n)], [0] * n, [None] * n  # per choice: logprob entries, characters
+    whole, shown = [""] * n, [0] * n  # with tools: each choice's text so far, and how much went out
 
     def chunk(i: int, text: str | None, finish: str | None, first: bool = False) -> bytes:
         lps = _logprobs(lp, pending[i], chat, sent[i]) if pending[i] or (lp is not None and text) else None
@@ -116,6 +128,12 @@ async def stream_answer(jobs: list[Job], events: asyncio.Queue, head: dict, chat
                     yield chunk(i, None, None, first=True)
             elif kind == "logprobs":
                 pending[i].extend(data)
+            elif kind == "text" and tools:
+                whole[i] += data
+                out = TOOLS.visible(whole[i])[shown[i] :]
+                if out:
+                    shown[i] += len(out)
+                    yield chunk(i, out, None)
             elif kind == "text":
                 yield chunk(i, data, None)
             elif kind == "error":
@@ -123,7 +141,17 @@ async def stream_answer(jobs: list[Job], events: asyncio.Queue, head: dict, chat
                 break
             elif kind == "end":
                 ends[i] = data
-                yield chunk(i, None, data["finish_reason"])
+                finish = data["finish_reason"]
+                if tools:
+                    _, calls = TOOLS.parse(whole[i], f"{head['id']}_{i}")
+                    if calls:
+                        finish = "tool_calls"
+                        deltas = [{"index": k, **c} for k, c in enumerate(calls)]
+                        yield _sse({**head, "choices": [{"index": i, "delta": {"tool_calls": deltas},
+                                                         "finish_reason": None, "logprobs": None}]})  # fmt: skip
+                    elif whole[i][shown[i] :]:  # held back, and no call after all
+                        yield chunk(i, whole[i][shown[i] :], None)
+                yield chunk(i, None, finish)
         else:
             if usage:
                 yield _sse({**head, "choices": [], "usage": _usage(ends)})

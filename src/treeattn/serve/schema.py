@@ -68,7 +68,7 @@ _logged: set[str] = set()  # unknown field names already logged
 # value is a 400 naming the field. Types count: true is not 1.
 NOT_HONOURED: dict[str, tuple] = {
     "best_of": (1,), "echo": (False,), "suffix": ("",),  # (echo: on completions only)
-    "tools": (), "functions": (), "function_call": ("none",), "tool_choice": ("none", "auto"),
+    "functions": (), "function_call": ("none",),
     "audio": (), "modalities": (["text"],), "prediction": (),
     "web_search_options": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
     "guided_grammar": (), "structured_outputs": (),
@@ -100,11 +100,51 @@ class TextPart(_Lenient):
     text: Text
 
 
+class CallFunction(_Lenient):
+    name: Text
+    arguments: Text  # JSON text
+
+
+class ToolCall(_Lenient):
+    id: Text
+    type: Literal["function"] = "function"
+    function: CallFunction
+
+
 class Message(_Lenient):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Annotated[Annotated[Text, Tag("text")] | Annotated[list[TextPart], Tag("parts")],
-                       _either("text", "parts", "a string or a list of text parts")]  # fmt: skip
+                       _either("text", "parts", "a string or a list of text parts")] | None = None  # fmt: skip
     name: str | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=128)] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool's result: the call it answers
+
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not self.tool_calls:
+            raise ValueError("a message needs content (or, from the assistant, tool_calls)")
+        return self
+
+
+class FunctionDef(_Lenient):
+    name: Annotated[str, Field(strict=True, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: Text | None = None
+    parameters: dict | None = None  # a JSON schema
+    strict: Bool | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Lenient):
+    name: Text
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class JsonSchemaFormat(_Lenient):
@@ -159,6 +199,9 @@ TopLogprobs = Annotated[Int, Field(ge=0, le=20)]  # OpenAI's limit (engine.MAX_L
 
 class ChatRequest(_Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: Bool = True
     max_completion_tokens: Count | None = None
     logprobs: Bool = False
     top_logprobs: TopLogprobs | None = None

@@ -8,7 +8,8 @@ from .schema import CHARS_PER_POSITION, ApiError, ChatRequest, DetokenizeRequest
 
 def add_token_routes(app, state, check_model) -> None:
     """The two routes on ``app`` (``check_model(name)``: the 404 for another model's name)."""
-    from .api import _ids, _text
+    from . import tools as TOOLS
+    from .api import _ids
 
     _model = check_model
 
@@ -31,8 +32,7 @@ def add_token_routes(app, state, check_model) -> None:
             chat = ChatRequest(model=state.model_name, messages=body.messages)
             ids = _ids(state, chat)
             if not body.add_generation_prompt:  # the template's head of the assistant turn left out
-                msgs = [{"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)}
-                        for m in body.messages]  # fmt: skip
+                msgs = TOOLS.messages(body.messages)
                 ids = list(tok.apply_chat_template(msgs, add_generation_prompt=False, return_dict=True)["input_ids"])
         else:
             limit = CHARS_PER_POSITION * state.max_positions
