@@ -6,8 +6,8 @@ while another is being prefilled waits, the others go by), chooses the cached pr
 reuses (the longest common prefix, when that keeps at least as much as the request adds;
 otherwise the prompt becomes a new prefix), evicts least recently used prefixes that no
 running request reads to stay within ``cache_tokens`` per rank (taken as used: it preempts
-the newest running request when the decoding rows fill it, :meth:`Scheduler._fit`), and builds each step's plan: rejected draft tokens to trim, rows to close,
-prefixes to drop, at most one chunk of a new prefix, and the lines of one forward: chunks of
+the newest running request when the decoding rows fill it, :meth:`Scheduler._fit`), and
+builds each step's plan: rejected draft tokens to trim, rows to close, prefixes to drop, at most one chunk of a new prefix, and the lines of one forward: chunks of
 the joining requests' own prompts (up to ``prefill_chunk`` tokens in all, at least one chunk)
 and a token for every decoding request (with speculation, followed by its draft:
 :mod:`treeattn.serve.drafts`). Every rank (rank 0 included) then executes that plan
