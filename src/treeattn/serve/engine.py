@@ -87,7 +87,7 @@ class Engine:
         self.stats = dict(requests=0, cancelled=0, prompt_tokens=0, cached_tokens=0, completion_tokens=0,
                           cache_entries=0, cache_tokens_per_rank=0, running=0, max_batch=max_batch, steps=0,
                           decode_rows=0, decode_tokens=0, mean_accepted_length=1.0, draft_tokens_offered=0,
-                          draft_tokens_accepted=0, preempted=0, decode_step_seconds={}, plan_seconds=0.0, execute_seconds=0.0, sample_seconds=0.0,
+                          draft_tokens_accepted=0, preempted=0, waiting=0, decode_step_seconds={}, plan_seconds=0.0, execute_seconds=0.0, sample_seconds=0.0,
                           kv_tokens_per_rank=0, peak_kv_tokens_per_rank=0, prefixes=[])  # fmt: skip
 
     @property

@@ -41,7 +41,8 @@ class _Engine:
         st, s = self.state.stats, self.state
         for name, doc, value in (
             ("num_requests_running", "Requests running (admitted, not ended).", self.running),
-            ("num_requests_waiting", "Requests waiting to be admitted.", s.requests.qsize()),
+            ("num_requests_waiting", "Requests waiting to be admitted (queued, taken off the queue, preempted).",
+             s.requests.qsize() + s.stats.get("waiting", 0)),
             ("kv_cache_usage_tokens", "K/V tokens held on rank 0: cached prefixes and running rows.",
              st.get("kv_tokens_per_rank", 0)),
             ("kv_cache_capacity_tokens", "K/V tokens a rank may hold (--cache-tokens; 0: unbounded).",

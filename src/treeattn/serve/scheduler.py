@@ -67,6 +67,12 @@ class Scheduler:
         holds back those behind it, but one that would start a new prefix while another is
         being prefilled lets the others by (a question on a cached document does not wait for
         a new document's prefill: no head-of-line blocking)."""
+        try:
+            self._admit(requests, wait)
+        finally:
+            self.e.stats["waiting"] = len(self.waiting) + len(self.preempted)
+
+    def _admit(self, requests: queue.Queue, wait: float) -> None:
         while self.free and not (self.closing or self.dropping):
             if self.preempted and self.preempted[0].req.cancelled.is_set():  # its client left while it waited
                 j = self.preempted.pop(0)
