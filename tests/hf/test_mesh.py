@@ -15,21 +15,11 @@ import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
+from test_tensor_parallel import reference_tokens, tiny  # noqa: E402
+
 from treeattn.launch import launch  # noqa: E402
 
 NEW = 10
-
-
-def tiny(kind: str):
-    from treeattn.hf.presets import build_model
-
-    return build_model(f"tiny-{kind}", None, torch.float32, seed=0)[0]
-
-
-def reference_tokens(model, ids, new=NEW):
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)  # fmt: skip
-    return out[:, ids.shape[1] :]
 
 
 def rows_case(whole, m, p: int) -> None:
@@ -53,7 +43,7 @@ def rows_case(whole, m, p: int) -> None:
         for row, t in lines:
             got[row] += t
     for row, (keep, q) in asks.items():
-        ref = reference_tokens(whole, torch.tensor([prefix[:keep] + q]))[0].tolist()
+        ref = reference_tokens(whole, torch.tensor([prefix[:keep] + q]), NEW)[0].tolist()
         assert got[row] == ref, f"p={p} batched row {row}: {got[row]} != {ref}"
 
 
@@ -79,7 +69,7 @@ def mesh_worker() -> None:
             out = generate(m, ids, max_new_tokens=NEW, placement=placement, attention=attention, prefill_chunk=chunk,
                            stop_at_eos=False, info=info)  # fmt: skip
         case = f"p={p} tpa=2 {kind} {placement} {attention} chunk={chunk}"
-        ref = reference_tokens(whole, ids)
+        ref = reference_tokens(whole, ids, NEW)
         assert torch.equal(out, ref), f"{case}: {out.tolist()} != {ref.tolist()}"
         scattered = "scatter" in mt.by_label
         assert scattered == (p == 4 and attention == "tree"), f"{case}: scattered over the heads: {scattered}"
@@ -98,7 +88,7 @@ def mesh_worker() -> None:
     whole = tiny("llama")
     m = tensor_parallel(copy.deepcopy(whole), tpa=2)
     ids = torch.tensor([[7, 8, 9, 10, 11] * 6])
-    ref = reference_tokens(whole, ids)
+    ref = reference_tokens(whole, ids, NEW)
     for width in (1, 2):
         info = {}
         out = generate(m, ids, max_new_tokens=NEW, speculate="prompt-lookup", tree_width=width, adaptive_draft=False,

@@ -88,6 +88,19 @@ def _run(engine: Engine, jobs: list[tuple], **kw) -> list[dict]:
     return results
 
 
+def _serve_until(eng: Engine, q: queue.Queue, stopping: threading.Event, done, seen, timeout: float):
+    """``eng`` serves ``q`` in a thread until ``done()``, then stops; the thread (joined)."""
+    t = threading.Thread(target=eng.serve, args=(q, stopping))
+    t.start()
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert t.is_alive() and time.monotonic() < deadline, seen
+        time.sleep(0.01)
+    stopping.set()
+    t.join(10)
+    return t
+
+
 def test_engine_prefix_cache_exact_and_bounded():
     """Requests that extend, branch from and leave cached prefixes; every answer equals a cold
     single-process run, ``cached_tokens`` follows the documented rule and the entries stay
@@ -166,14 +179,7 @@ def test_engine_no_head_of_line_blocking():
                 results[name].append(data)
 
         q.put(Request(ids, 4, emit, decode=_ids_text, eos=[], temperature=0.0))
-    t = threading.Thread(target=eng.serve, args=(q, stopping))
-    t.start()
-    deadline = time.monotonic() + 120
-    while sum(k == "end" for _, k in order) < 3:
-        assert t.is_alive() and time.monotonic() < deadline, order
-        time.sleep(0.01)
-    stopping.set()
-    t.join(10)
+    _serve_until(eng, q, stopping, lambda: sum(k == "end" for _, k in order) >= 3, order, 120)
     first_text = {n: order.index((n, "text")) for n in reqs}
     assert order.index(("cached", "end")) < first_text["new"], order  # answered during the big prefill
     # one new prefix at a time: the second new document waits until the first is built (20 steps of 8
@@ -317,14 +323,7 @@ def test_engine_stop_ends_running_requests_and_frees_their_rows():
     q, stopping, events = queue.Queue(), threading.Event(), []
     q.put(Request(list(range(3, 30)), 10_000, lambda k, d: events.append((k, d)), decode=_ids_text, eos=[],
                   temperature=0.0))  # fmt: skip
-    t = threading.Thread(target=eng.serve, args=(q, stopping))
-    t.start()
-    deadline = time.monotonic() + 60
-    while sum(k == "text" for k, _ in events) < 3:
-        assert t.is_alive() and time.monotonic() < deadline, events
-        time.sleep(0.01)
-    stopping.set()
-    t.join(10)
+    t = _serve_until(eng, q, stopping, lambda: sum(k == "text" for k, _ in events) >= 3, events, 60)
     assert not t.is_alive() and events[-1] == ("error", (503, "the server is shutting down")), events[-3:]
     assert not eng.sched.jobs and eng.sched.free == [0, 1] and not eng.sched.closing
     assert all(p is None for p in eng.runner.rows.placement) and int(eng.runner.rows.n.sum()) == 0
