@@ -100,6 +100,18 @@ def mesh_worker() -> None:
     ids = torch.randint(0, 512, (1, 15), generator=torch.Generator().manual_seed(3))
     kw = dict(max_new_tokens=NEW, penalty_alpha=0.6, top_k=4, stop_at_eos=False, prefill_chunk=4)
     assert torch.equal(generate(m64, ids, **kw), generate(w64, ids, **kw)), f"p={p} tpa=2 contrastive search"
+    # tree_decode's scattered reduction alone: this rank's heads of the whole reduction; bad cuts on one rank
+    from treeattn import tree_decode
+
+    g = torch.Generator().manual_seed(rank)
+    q = torch.randn(1, 4, 1, 16, generator=torch.Generator().manual_seed(0))
+    k, v = torch.randn(1, 2, 5 + rank, 16, generator=g), torch.randn(1, 2, 5 + rank, 16, generator=g)
+    cuts = [h * 4 // p for h in range(p + 1)]
+    whole = tree_decode(q, k, v)
+    mine = tree_decode(q, k, v, heads=cuts)
+    assert torch.allclose(mine, whole[:, cuts[rank] : cuts[rank + 1]], atol=1e-6), (mine, whole)
+    with pytest.raises(ValueError, match="heads must be"):
+        tree_decode(q, k, v, heads=[0, 4] if rank == 0 else cuts)
     # refused on every rank, before any other collective: a tpa that does not divide, one that differs
     with pytest.raises(ValueError, match="tpa = 3 must divide"):
         tensor_parallel(tiny("llama"), tpa=3 if rank == 0 else 1)

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..comm.collectives import world
 from ..comm.validate import agree
 from ..config import STRATEGIES
 from ..ops.attention import check_attention_inputs
@@ -70,10 +71,12 @@ def validate_decode(
     softcap: float | None = None,
     window: int | None = None,
     cost_model: Callable[[], int] | None = None,
+    heads: list[int] | None = None,
 ) -> None:
     """Local checks on this rank, then one all-gather so every rank raises the same
     ``ValueError`` when any rank's input is bad or the ranks disagree on the metadata.
-    ``cost_model``: returns the fingerprint of ``auto``'s cost model (may raise ValueError)."""
+    ``cost_model``: returns the fingerprint of ``auto``'s cost model (may raise ValueError);
+    ``heads``: the cut points of a reduction scattered over the heads (tree_decode's)."""
     err = None
     model = 0
     try:
@@ -84,6 +87,10 @@ def validate_decode(
         check_attention_inputs(q, k, v, kv_lens, scale=scale, kv_start=kv_start, softcap=softcap)
         check_new_tokens(q, k, v, new_k, new_v, new_mask)
         check_window(window)
+        p = world(group)[1]
+        if heads is not None and (len(heads) != p + 1 or heads[0] != 0 or heads[-1] != q.shape[1]
+                                  or any(b < a for a, b in zip(heads, heads[1:], strict=False))):  # fmt: skip
+            raise ValueError(f"heads must be {p + 1} non-decreasing cut points from 0 to Hq = {q.shape[1]}, got {heads}")
     except (ValueError, TypeError) as e:
         err = f"{type(e).__name__}: {e}" if isinstance(e, TypeError) else str(e)
     ok = err is None
@@ -105,6 +112,7 @@ def validate_decode(
         "softcap": float(softcap) if ok and softcap is not None else None,
         "window": window if ok else None,
         "cost model (profile)": model,
+        "heads": ",".join(map(str, heads)) if ok and heads is not None else None,
     }
     device = q.device if isinstance(q, Tensor) and q.device.type != "cpu" and _nccl(group) else "cpu"
     agree(fields, err, group=group, device=device)

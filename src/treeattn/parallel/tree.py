@@ -133,12 +133,8 @@ def tree_decode(
             return model.fingerprint()
 
         validate_decode(q, k, v, kv_lens, new_k, new_v, new_mask, scale, strategy, group, STRATEGIES, rpn,
-                        kv_start, softcap, window, fingerprint if strategy == "auto" else None)  # fmt: skip
+                        kv_start, softcap, window, fingerprint if strategy == "auto" else None, heads)  # fmt: skip
         profile = model if model is not None else profile
-        p = world(group)[1]
-        if heads is not None and (len(heads) != p + 1 or heads[0] != 0 or heads[-1] != q.shape[1]
-                                  or any(b < a for a, b in zip(heads, heads[1:], strict=False))):  # fmt: skip
-            raise ValueError(f"heads must be {p + 1} non-decreasing cut points from 0 to Hq = {q.shape[1]}, got {heads}")
     # one rank and no new tokens: the local state is the answer, written in q's dtype by the kernel
     # (no reduction, no cast: the local op's cost; its lse is never +inf, which a reduction reads as empty)
     if strategy not in STRATEGIES:  # (reduce_states says so too; one rank never calls it)
