@@ -21,9 +21,10 @@ gets its 400 without touching the running one (and no value can overflow the int
   booleans (``stream``, ``include_usage``) JSON booleans (not ``"yes"`` or ``1``). A
   completion takes one prompt (a list of prompts is a 400).
 - as vLLM's server: ``null`` is the field left out, and a field this server does not know is
-  ignored (logged once per name). A known field it cannot honour (``tools``, a
-  ``response_format`` other than text, ``echo``, ...: :data:`NOT_HONOURED`) is a 400 that
-  names it, unless it holds its no-op value.
+  ignored (logged once per name). A known field it cannot honour (``best_of`` > 1, ``echo``
+  on chat, the legacy ``functions``, ...: :data:`NOT_HONOURED`) is a 400 that names it,
+  unless it holds its no-op value; so are ``tools`` with a chat template that takes none and
+  a ``response_format`` schema that matches nothing.
 - vLLM's sampling extras ``top_k`` (-1 or 0: off), ``min_p``, ``typical_p``, ``eta_cutoff``,
   ``repetition_penalty``, ``min_tokens``, ``stop_token_ids`` and ``ignore_eos`` are honoured,
   per request, and so are OpenAI's ``presence_penalty``, ``frequency_penalty`` and
@@ -227,7 +228,7 @@ def _job(state: ServerState, body) -> Job:
         bias[int(k)] = b
     if body.min_tokens > new:
         raise ApiError(400, f"min_tokens ({body.min_tokens}) exceeds max_tokens ({new})", param="min_tokens")
-    grammar = _grammar(state, body, eos)
+    grammar = _grammar(state, body)
     echo = None
     if getattr(body, "echo", False):
         echo = body.prompt if isinstance(body.prompt, str) else decode(ids)
@@ -244,7 +245,7 @@ def _tools_on(body) -> bool:
     return bool(getattr(body, "tools", None)) and getattr(body, "tool_choice", None) != "none"
 
 
-def _grammar(state: ServerState, body, eos: list[int]):
+def _grammar(state: ServerState, body):
     """A maker of matchers for ``response_format`` or a forced ``tool_choice`` (None: free
     text); 400 naming the field when it cannot be honoured."""
     rf = body.response_format
@@ -268,7 +269,7 @@ def _grammar(state: ServerState, body, eos: list[int]):
     try:
         with state.lock:
             if state.grammars is None:
-                state.grammars = Grammars(state.tokenizer, state.vocab or len(state.tokenizer), eos)
+                state.grammars = Grammars(state.tokenizer, state.vocab or len(state.tokenizer), state.eos)
         if forced is not None:
             g = state.grammars.compile_lark(forced)
         else:
