@@ -79,9 +79,8 @@ class Job:
         if req.logprobs is not None and logits is not None:
             self.lps.append(logprob_entry(logits, tok, req.logprobs))
         finish = None
-        if self.grammar is not None and self.grammar.take(tok):  # the JSON is complete
-            finish = "stop"
-        if tok in req.eos:
+        done = self.grammar is not None and self.grammar.take(tok)  # (the matcher follows every token)
+        if tok in req.eos or done:  # EOS, or the grammar's output (the JSON) is complete
             finish = "stop"
         elif len(self.out) == req.max_tokens:
             finish = "length"
