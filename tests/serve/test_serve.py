@@ -526,7 +526,6 @@ def _hostile() -> list[tuple[str, str, dict | bytes]]:
         "ignore_eos": ["yes", 1],
         "tools": [[{"type": "function", "function": {"name": "f"}}]],
         "response_format": [{"type": "json_schema", "json_schema": {"$ref": "#"}}, "json"],
-        "echo": [True],
         "best_of": [3],
         "stop": [5, ["a"] * 5, "x" * 5000, ["\ud800"], [None]],
         "prompt": prompts,
@@ -537,7 +536,9 @@ def _hostile() -> list[tuple[str, str, dict | bytes]]:
     }.items():
         for v in values:
             out.append((f"completions {k}={str(v)[:40]!r}", "/v1/completions", {**base, k: v}))
-    for k, values in {"max_completion_tokens": [0, *huge, *wrong], "max_tokens": [2**80],
+    for k, values in {"max_completion_tokens": [0, *huge, *wrong], "max_tokens": [2**80], "echo": [True],
+                      "tools": [[], [{"type": "function", "function": {"name": "a b"}}], "f"],
+                      "tool_choice": ["always", {"type": "function"}],
                       "messages": [[], [{"role": "user", "content": "\ud800"}], [{"role": "x", "content": "a"}],
                                    [{"role": "user", "content": [{"type": "text", "text": 5}]}], "hi"]}.items():  # fmt: skip
         for v in values:
@@ -610,8 +611,7 @@ def test_lenient_requests_and_sampling_extras(tiny_server):
     # refused, naming the field: what this server cannot honour
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     for field, value in (("n", 17), ("n", True), ("best_of", 2), ("top_logprobs", 3), ("tools", []),
-                         ("guided_json", {}),
-                         ("tool_choice", "required")):  # fmt: skip
+                         ("guided_json", {}), ("functions", [{"name": "f"}])):  # fmt: skip
         st, body = s.request("POST", "/v1/chat/completions", {**chat, field: value})
         assert st == 400 and body["error"]["param"] == field and field in body["error"]["message"], (field, body)
     for field, value in (("logit_bias", {"x5": 1}), ("logit_bias", {"5": 101}), ("logit_bias", {"99999": 1}),

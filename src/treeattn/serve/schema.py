@@ -68,6 +68,7 @@ _logged: set[str] = set()  # unknown field names already logged
 # value is a 400 naming the field. Types count: true is not 1.
 NOT_HONOURED: dict[str, tuple] = {
     "best_of": (1,), "echo": (False,), "suffix": ("",),  # (echo: on completions only)
+    "tools": (), "tool_choice": ("none", "auto"),  # (on completions: chat declares them)
     "functions": (), "function_call": ("none",),
     "audio": (), "modalities": (["text"],), "prediction": (),
     "web_search_options": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
@@ -199,7 +200,7 @@ TopLogprobs = Annotated[Int, Field(ge=0, le=20)]  # OpenAI's limit (engine.MAX_L
 
 class ChatRequest(_Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
-    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: Bool = True
     max_completion_tokens: Count | None = None
