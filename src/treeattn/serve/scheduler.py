@@ -32,13 +32,14 @@ import torch
 
 from ..hf.penalties import Penalties
 from ..hf.sampler import Sampler
+from .budget import KVBudget
 from .drafts import BatchDrafts, DraftPool, RowDrafts, verify
 from .job import Job, chooser
 from .plan import Plan
 from .request import BadRequest, Request
 
 
-class Scheduler:
+class Scheduler(KVBudget):
     """Rank 0's bookkeeping over the engine's :class:`~treeattn.hf.batch.BatchRunner` (which
     rank 0 runs too, so the prefixes' contents are known here exactly)."""
 
@@ -144,14 +145,7 @@ class Scheduler:
         reserve = e.per_rank(L - (L - 1 if new else keep) + 1, block) + block  # K/V taken as used: the prompt
         need = (e.per_rank(L - 1, block) if new else 0) + reserve
         if e.cache_tokens:
-            protected = readers | {pid}
-            total, evict = need + self._committed(), []
-            for q in sorted((q for q in r.prefixes if q not in protected and q not in self.dropping),
-                            key=lambda q: self.used.get(q, 0)):  # fmt: skip
-                if total <= e.cache_tokens:
-                    break
-                evict.append(q)
-                total -= r.held(q)
+            total, evict = self._lru(need + self._committed(), readers | {pid})
             if total > e.cache_tokens and self.jobs:  # wait for running requests to end (evicting nothing)
                 return "room"
             self.dropping += evict
@@ -200,14 +194,6 @@ class Scheduler:
         step = e.join_step
         job.todo += [("join", ids[a : a + step]) for a in range(keep, L, step)]
 
-    def _committed(self) -> int:
-        """KV tokens per rank held or promised: prefixes (a prefix being built at its full
-        size) and every running request's own tokens."""
-        r = self.r
-        held = sum(max(r.held(q), self.building.get(q, 0)) for q in r.prefixes if q not in self.dropping)
-        held += sum(v for q, v in self.building.items() if q not in r.prefixes)
-        return held + sum(j.reserve for j in self.jobs)
-
     # -- steps -----------------------------------------------------------------------
     def plan(self) -> Plan | None:
         """The next step, or None when there is nothing to do."""
@@ -243,53 +229,6 @@ class Scheduler:
                 j.opened = True
                 budget -= len(ids)
         return None if p.empty() else p
-
-    def _fit(self) -> None:
-        """K/V taken as it is used: the decoding rows' tokens of the coming step (a token and
-        at most a full draft each) must fit under ``cache_tokens`` per rank. If they do not,
-        prefixes no running request reads go first (least recently used), then the newest
-        running requests are preempted (their rows freed; each is recomputed later from its
-        prompt and its answer so far, and goes on where it stopped); a request running alone
-        that has filled the cache ends (``length``)."""
-        e = self.e
-        for j in self.jobs:
-            if not j.todo:
-                own = len(j.req.ids) - j.keep + len(j.out) + e.num_draft  # the row after this step
-                j.reserve = e.per_rank(own, j.block) + j.block
-        total = self._committed()
-        if total <= e.cache_tokens:
-            return
-        readers = {j.pid for j in self.jobs}
-        for q in sorted((q for q in self.r.prefixes if q not in readers and q not in self.dropping),
-                        key=lambda q: self.used.get(q, 0)):  # fmt: skip
-            if total <= e.cache_tokens:
-                return
-            self.dropping.append(q)
-            total -= self.r.held(q)
-        while total > e.cache_tokens and self.jobs:
-            decoding = [j for j in self.jobs if not j.todo]
-            if len(self.jobs) == 1 or not decoding:
-                for j in decoding:
-                    j.finish = "length"
-                    self._end(j)
-                return
-            j = max(decoding, key=lambda x: x.admitted)
-            total -= j.reserve
-            self._preempt(j)
-
-    def _preempt(self, j: Job) -> None:
-        self.jobs.remove(j)
-        if j.drafts is not None:
-            j.drafts.release()
-            j.drafts = None
-        if j.opened:
-            self.closing.append((j.row, 0))
-        self.free.append(j.row)
-        self.free.sort()
-        j.draft, j.opened = [], False
-        self.preempted.append(j)
-        self.preempted.sort(key=lambda x: x.t0)
-        self.e.stats["preempted"] += 1
 
     def _drafts(self) -> None:
         """Each decoding request's draft for this step (none without speculation)."""
