@@ -1,4 +1,4 @@
-"""The server's incremental detokenization (``serve.api._streamer``: tokenizers' DecodeStream) on
+"""The server's incremental detokenization (``serve.jobs.streamer``: tokenizers' DecodeStream) on
 the real model's tokenizer: after every token of an answer, the text so far is a prefix of the
 whole decode of the tokens so far (it holds back a token whose character is not complete yet),
 and all of it once the characters are; through the scheduler's bookkeeping (stop strings that
@@ -34,7 +34,7 @@ def _answers(tok):
 
 
 def test_stream_is_the_whole_decode(tok):
-    from treeattn.serve.api import _streamer
+    from treeattn.serve.jobs import streamer as _streamer
 
     start = _streamer(tok)
     assert start is not None  # SmolLM2's tokenizer: fast, no clean-up of spaces
@@ -49,8 +49,8 @@ def test_stream_is_the_whole_decode(tok):
 
 
 def test_scheduler_sends_the_same_with_and_without_the_stream(tok):
-    from treeattn.serve.api import _streamer
     from treeattn.serve.job import Job
+    from treeattn.serve.jobs import streamer as _streamer
     from treeattn.serve.request import Request
 
     eos = [tok.convert_tokens_to_ids("<|im_end|>")]

@@ -396,7 +396,8 @@ def test_job_checks_every_value_before_the_queue():
     and the tokenizer's output lie within the model's vocabulary, a string prompt longer than
     64 characters per position is refused without tokenizing, a chat template that raises is a
     400; the engine's own guard refuses what slips past with a 400 before any broadcast."""
-    from treeattn.serve.api import ApiError, ChatRequest, CompletionRequest, ServerState, _job
+    from treeattn.serve.api import ApiError, ChatRequest, CompletionRequest, ServerState
+    from treeattn.serve.jobs import build_job as _job
 
     tok = _Tok()
     state = ServerState(MODEL, tok, 16, 500, lambda n: n, 0, 4, [2], {})
@@ -952,7 +953,8 @@ def test_generation_config_defaults_and_max_model_len():
     """``--generation-config auto`` (vLLM's default): what a request leaves out (or sends as
     null) samples with the model's generation_config values, only those it sets; a request's
     own value wins. ``--max-model-len``: the positions a request may take."""
-    from treeattn.serve.api import ApiError, CompletionRequest, ServerState, _jobs, generation_defaults
+    from treeattn.serve.api import ApiError, CompletionRequest, ServerState, generation_defaults
+    from treeattn.serve.jobs import build_jobs as _jobs
 
     model = _model()
     assert generation_defaults(model) == {}  # a config with no sampling values: OpenAI's defaults

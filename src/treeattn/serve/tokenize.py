@@ -9,7 +9,7 @@ from .schema import CHARS_PER_POSITION, ApiError, ChatRequest, DetokenizeRequest
 def add_token_routes(app, state, check_model) -> None:
     """The two routes on ``app`` (``check_model(name)``: the 404 for another model's name)."""
     from . import tools as TOOLS
-    from .api import _ids
+    from .jobs import prompt_ids
 
     _model = check_model
 
@@ -30,7 +30,7 @@ def add_token_routes(app, state, check_model) -> None:
             if not getattr(tok, "chat_template", None):
                 raise ApiError(400, "this model has no chat template", param="messages")
             chat = ChatRequest(model=state.model_name, messages=body.messages)
-            ids = _ids(state, chat)
+            ids = prompt_ids(state, chat)
             if not body.add_generation_prompt:  # the template's head of the assistant turn left out
                 msgs = TOOLS.messages(body.messages)
                 ids = list(tok.apply_chat_template(msgs, add_generation_prompt=False, return_dict=True)["input_ids"])
