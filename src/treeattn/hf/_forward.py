@@ -19,6 +19,7 @@ from ..comm.collectives import all_reduce, world
 from ..parallel.tensor import sharded_tokens
 from . import _graph
 from ._model import cache_kw, lm_logits, prefill_windows
+from .alibi import alibi_layers
 from .attention import AttnSwitch, StepContext, TreeAttnCache
 from .tensor_parallel import kv_heads_here, model_mesh
 
@@ -47,7 +48,8 @@ class Forwards:
         self.counters = counters  # the Session's: "forwards" counts the model's forward calls
         graphs = self.device.type == "cuda"  # elsewhere the same static step, uncaptured
         alone = world(group)[1] == 1  # (a mesh of one KVP rank per slice still runs collectives)
-        self.static = _graph.StaticDecode(self, graphs) if cuda_graph and alone else None
+        static = cuda_graph and alone and not alibi_layers(model)  # (ALiBi: no static step)
+        self.static = _graph.StaticDecode(self, graphs) if static else None
 
     def bind(self, cache: ShardedKVCache) -> None:
         self.cache, self._tc = cache, TreeAttnCache(cache)
@@ -80,7 +82,7 @@ class Forwards:
         cfg = self.model.config
         d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         hkv = kv_heads_here(self.model)  # this rank's (a mesh's head slice)
-        hq = cfg.num_attention_heads * hkv // cfg.num_key_value_heads
+        hq = cfg.num_attention_heads * hkv // (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
         e = self.dtype.itemsize
         keys = [len(o) + j for o, j in zip(old, b, strict=True)]
         ring = max((sum(keys) - m) * hkv * 2 * d * e - 4 * len(q) * m * hq * d / _FLOPS_PER_BYTE

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ._head import split_head
+from .alibi import alibi_layers, prepare
 from .families import unsupported_reason
 
 
@@ -60,10 +61,13 @@ def checksum(t: Tensor) -> int:
 
 
 def model_problem(model: torch.nn.Module) -> str | None:
-    """Why treeattn cannot run ``model`` exactly, or None."""
+    """Why treeattn cannot run ``model`` exactly, or None. An ALiBi family's attention layers
+    (BLOOM, MPT) get treeattn's forward here (:func:`treeattn.hf.alibi.prepare`)."""
     if getattr(model, "config", None) is None:
         return f"model must be a transformers model with a .config, got {type(model).__name__}"
     why = unsupported_reason(model.config, training=model.training)
+    if why is None and alibi_layers(model):  # their layers take treeattn's forward
+        return prepare(model)
     if why is None and not getattr(model, "_supports_attention_backend", False):
         why = (
             f"{type(model).__name__}: its attention does not go through transformers' attention interface, "

@@ -12,6 +12,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..cache import ShardedKVCache
+from ..ops.alibi import Alibi
 from ..parallel import ring_decode, ring_prefill, tree_decode, tree_prefill
 from .families import layer_window
 
@@ -45,6 +46,15 @@ class StepContext:
     pos: Tensor | None = None  # static: [B] the new token's position, on the device (at p = 1, its slot)
     heads: list[int] | None = None  # decode, step: cut points of the query heads the Tree reduction scatters
     # over the ranks (a mesh's KVP ranks split their slice's heads; the output projection takes them)
+    positions_here: tuple[Tensor, Tensor] | None = None  # decode, step: (q_pos, k_pos) on the device (ALiBi)
+
+    def alibi(self, slopes: Tensor, S: int) -> Alibi:
+        """Decode, step: the ALiBi bias of this step's queries over the first ``S`` local slots."""
+        if self.positions_here is None:  # once per step: the layers share it
+            c = self.cache
+            self.positions_here = (self.q_pos.to(c.device), c.positions[:, : c.used].to(c.device))
+        qp, kp = self.positions_here
+        return Alibi(slopes, qp, kp[:, :S])
 
     def window_start(self, window: int | None) -> Tensor | None:
         """Decode, step: this rank's first visible slot per query under ``window`` (None: no window)."""
@@ -140,6 +150,9 @@ def treeattn_attention(
     _refuse(module, dropout, kwargs)
     window = layer_window(module, kwargs)
     softcap = kwargs.get("softcap")
+    slopes = kwargs.get("alibi")  # ALiBi slopes of this rank's query heads (hf.alibi's layers pass them)
+    if slopes is not None and ctx.mode in ("rows", "static"):
+        raise ValueError(f"{type(module).__name__}: ALiBi biases in a {ctx.mode!r} step are not implemented")
     if ctx.mode == "rows":  # a batched step over shared prefixes (hf._cascade)
         out = ctx.attend(module.layer_idx, query, key, value, scaling, window, softcap)
     elif ctx.mode == "prefill":
@@ -157,6 +170,7 @@ def treeattn_attention(
                 q_positions=ctx.q_positions[rank],
                 window=window,
                 softcap=softcap,
+                alibi=slopes,
             )
         else:
             out = tree_prefill(
@@ -170,13 +184,15 @@ def treeattn_attention(
                 strategy=ctx.strategy,
                 window=window,
                 softcap=softcap,
+                alibi=slopes,
             )
         if n < query.shape[2]:  # placeholder token of a rank that holds no prompt token
             out = torch.cat([out, out.new_zeros(*out.shape[:2], query.shape[2] - n, out.shape[3])], 2)
     else:
         c = ctx.cache
         k, v = c.span(module.layer_idx, ctx.span) if ctx.mode == "static" else c.shard(module.layer_idx)
-        kw = dict(kv_lens=ctx.kv_lens, kv_start=ctx.window_start(window), softcap=softcap, group=ctx.group)
+        kw = dict(kv_lens=ctx.kv_lens, kv_start=ctx.window_start(window), softcap=softcap, group=ctx.group,
+                  alibi=None if slopes is None else ctx.alibi(slopes, k.shape[2]))  # fmt: skip
         if ctx.mode == "step":  # the block's own tokens: new_k/new_v under the tree mask; a chain on the
             # CPU: causal bounds in the compiled kernel (elsewhere the step's cached mask, built once)
             chain = query.device.type == "cpu" and ctx.chain()
@@ -221,7 +237,11 @@ class AttnSwitch:
         if self.configs is None:
             cfgs = {id(c): c for c in [m.config] + [x.config for x in m.modules() if hasattr(x, "config")]}
             before = {i: c._attn_implementation_internal for i, c in cfgs.items()}
-            m.set_attn_implementation(ATTN_NAME)
+            if getattr(m.config, "model_type", "") == "bloom":  # its layers take treeattn's forward (hf.alibi):
+                for c in cfgs.values():  # the name only skips the dense causal mask (MPT's forward needs one)
+                    c._attn_implementation_internal = ATTN_NAME
+            elif getattr(m.config, "model_type", "") != "mpt":
+                m.set_attn_implementation(ATTN_NAME)
             self.configs = [c for i, c in cfgs.items() if c._attn_implementation_internal != before[i]]
             saved = [(c, before[id(c)]) for c in self.configs]
         else:

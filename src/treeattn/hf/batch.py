@@ -28,6 +28,7 @@ from ..parallel.tensor import sharded_tokens
 from . import _model as S
 from ._cascade import PrefixGroup, RowsStep, Shape
 from ._split import cuts, gather_rows
+from .alibi import alibi_layers
 from .attention import AttnSwitch, TreeAttnCache
 from .session import Session
 from .tensor_parallel import kv_heads_here, sequence_group
@@ -81,6 +82,8 @@ class BatchRunner:
     def __init__(self, model: torch.nn.Module, group: dist.ProcessGroup | None = None, max_batch: int = 8,
                  **session_kw) -> None:  # fmt: skip
         why = S.model_problem(model)
+        if why is None and alibi_layers(model):
+            why = f"{type(model).__name__}: ALiBi biases in the batched step (the server's) are not implemented"
         if why is not None:
             raise ValueError(why)
         if type(max_batch) is not int or max_batch < 1:

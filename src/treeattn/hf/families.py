@@ -42,9 +42,11 @@ def unsupported_reason(config, *, training: bool = False) -> str | None:
     Supported: causal decoder-only attention through transformers' attention interface
     with full or sliding-window layers (Mistral, Qwen2 ``use_sliding_window``, Gemma-2/3
     alternating layers, any ``sliding_window``/``layer_types``), attention-logit
-    softcapping (Gemma-2) and final-logit softcapping. Refused, with the family named:
-    attention sinks (GPT-OSS and others), chunked attention (Llama-4), bidirectional or
-    encoder-decoder attention, ALiBi biases, and attention dropout in training mode.
+    softcapping (Gemma-2) and final-logit softcapping, and ALiBi biases of BLOOM and MPT
+    (their layers take treeattn's forward: :mod:`treeattn.hf.alibi`). Refused, with the
+    family named: attention sinks (GPT-OSS and others), chunked attention (Llama-4),
+    bidirectional or encoder-decoder attention, ALiBi of other families, and attention
+    dropout in training mode.
 
     Args:
         config: a transformers ``PretrainedConfig`` (a multimodal config is judged by its
@@ -69,7 +71,7 @@ def unsupported_reason(config, *, training: bool = False) -> str | None:
         why = "it is an encoder-decoder model; treeattn shards a decoder's causal self-attention"
     elif getattr(cfg, "use_bidirectional_attention", False):
         why = "its attention is bidirectional (use_bidirectional_attention=True), not causal"
-    elif getattr(cfg, "alibi", False) or mt in ("bloom", "mpt"):
+    elif getattr(cfg, "alibi", False) and mt not in ("bloom", "mpt"):
         why = "its ALiBi position biases are added through the attention mask, which treeattn does not read"
     elif training and (getattr(cfg, "attention_dropout", 0.0) or 0.0) > 0:
         why = (

@@ -17,6 +17,9 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "tiny-gemma2": ("gemma2", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512, sliding_window=16, query_pre_attn_scalar=1, attn_logit_softcapping=4.0, final_logit_softcapping=30.0, initializer_range=0.03)),
     # Gemma-3 (text): sliding and full layers alternating, local/global RoPE, q/k norms
     "tiny-gemma3": ("gemma3_text", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512, sliding_window=16, query_pre_attn_scalar=32, sliding_window_pattern=2, initializer_range=0.02)),
+    # ALiBi (hf.alibi): six heads, so the slopes include the non-power-of-two tail
+    "tiny-bloom": ("bloom", dict(hidden_size=192, n_layer=2, n_head=6, vocab_size=512, initializer_range=0.3)),
+    "tiny-mpt": ("mpt", dict(d_model=192, n_layers=2, n_heads=6, expansion_ratio=2, vocab_size=512, max_seq_len=4096, initializer_range=0.3)),
     "small-llama": ("llama", dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, vocab_size=4096)),
 }  # fmt: skip
 

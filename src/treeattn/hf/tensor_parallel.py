@@ -1,7 +1,8 @@
 """A transformers causal LM's weights split over the ranks, applied from outside the model (the
 model keeps no distributed code): in every decoder layer the gated MLP's ``gate_proj`` and
 ``up_proj`` column parallel and its ``down_proj`` row parallel, the attention's ``o_proj`` row
-parallel over whole query heads, each followed by one all-reduce (:mod:`treeattn.parallel.tensor`).
+parallel over whole query heads, each followed by one all-reduce (:mod:`treeattn.parallel.tensor`);
+BLOOM's and MPT's layers alike under their own names (``_LAYOUTS``).
 Norms, residuals, the embeddings and Q/K/V stay whole on every rank; every rank computes every
 head's attention over its own shard of the sequence (Tree or Ring across the shards, as
 without this), then multiplies its heads' slice of the output projection. The LM head is
@@ -15,6 +16,8 @@ greedy tokens identical)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -26,6 +29,7 @@ from ..parallel.tensor import ColumnParallel, RowParallel, Tokens, split
 
 _MARK = "_treeattn_tensor_parallel"  # the model attribute: the ranks it is split over
 _MESH = "_treeattn_mesh"  # the model attribute: its Mesh
+_HEADS = "_treeattn_heads"  # an attention layer's attribute: (lo, hi) of the query heads it computes
 
 
 def tensor_parallel_ranks(model: nn.Module) -> int:
@@ -46,31 +50,67 @@ def sequence_group(model: nn.Module, group: dist.ProcessGroup | None) -> dist.Pr
     return mesh.seq if mesh is not None and mesh.tpa > 1 else group
 
 
+def heads_here(layer: nn.Module, n_heads: int) -> tuple[int, int]:
+    """The query heads ``[lo, hi)`` of the model's ``n_heads`` this rank's copy of the attention
+    ``layer`` computes (all of them unless :func:`tensor_parallel` split the heads)."""
+    return getattr(layer, _HEADS, (0, n_heads))
+
+
 def kv_heads_here(model: nn.Module) -> int:
     """The KV heads this rank computes and stores (all of them, or its mesh's head slice)."""
     c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     mesh = model_mesh(model)
-    return c.num_key_value_heads // (mesh.tpa if mesh is not None else 1)
+    return (getattr(c, "num_key_value_heads", None) or c.num_attention_heads) // (mesh.tpa if mesh is not None else 1)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a family keeps what is split: the decoder's layers, each layer's attention and MLP,
+    the MLP's column- and row-parallel linears, the attention's output projection and its Q/K/V
+    (three linears, or one fused linear of ``fused`` rows per head: BLOOM's [q k v] per head)."""
+
+    layers: str = "layers"
+    attn: str = "self_attn"
+    mlp: str = "mlp"
+    cols: tuple[str, ...] = ("gate_proj", "up_proj")
+    row: str = "down_proj"
+    out: str = "o_proj"
+    qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
+    fused: int = 0
+
+
+_LAYOUTS = {
+    "bloom": _Layout("h", "self_attention", "mlp", ("dense_h_to_4h",), "dense_4h_to_h", "dense", ("query_key_value",), 3),
+    "mpt": _Layout("blocks", "attn", "ffn", ("up_proj",), "down_proj", "out_proj", ()),  # Wqkv: [all q | k | v]
+}
+
+
+def _layout(model: nn.Module) -> _Layout:
+    return _LAYOUTS.get(getattr(model.config, "model_type", ""), _Layout())
 
 
 def _layers(model: nn.Module):
     dec = model.get_decoder() if hasattr(model, "get_decoder") else None
-    layers = getattr(dec, "layers", None)
+    name = _layout(model).layers
+    layers = getattr(dec, name, None)
     if layers is None:
-        raise ValueError(f"{type(model).__name__}: no decoder layers found (model.get_decoder().layers)")
+        raise ValueError(f"{type(model).__name__}: no decoder layers found (model.get_decoder().{name})")
     return layers
 
 
 def _check(model: nn.Module) -> str | None:
     if tensor_parallel_ranks(model) > 1:
         return "the model is split already (tensor_parallel was called on it)"
+    if getattr(model.config, "slow_but_exact", False) and getattr(model.config, "pretraining_tp", 1) > 1:
+        return "BLOOM with slow_but_exact=True sums its projections in slices of its own; it cannot be split"
+    lay = _layout(model)
     for i, layer in enumerate(_layers(model)):
-        mlp, attn = getattr(layer, "mlp", None), getattr(layer, "self_attn", None)
-        names = [(mlp, "gate_proj"), (mlp, "up_proj"), (mlp, "down_proj"), (attn, "o_proj")]  # all whole
-        for owner, name in names:
+        mlp, attn = getattr(layer, lay.mlp, None), getattr(layer, lay.attn, None)
+        names = [(mlp, n, lay.mlp) for n in (*lay.cols, lay.row)] + [(attn, lay.out, lay.attn)]  # all whole
+        for owner, name, where in names:
             if type(getattr(owner, name, None)) is not nn.Linear:
-                return (f"layer {i}: tensor parallelism needs a gated MLP (mlp.gate_proj, up_proj, down_proj) and "
-                        f"self_attn.o_proj as nn.Linear layers; {name} is not")  # fmt: skip
+                return (f"layer {i}: tensor parallelism needs the MLP ({lay.mlp}.{', '.join((*lay.cols, lay.row))}) "
+                        f"and {lay.attn}.{lay.out} as nn.Linear layers; {where}.{name} is not")  # fmt: skip
     return None
 
 
@@ -110,31 +150,42 @@ def tensor_parallel(model: nn.Module, group: dist.ProcessGroup | None = None, tp
     mesh = make_mesh(group, tpa, "cuda" if next(model.parameters()).device.type == "cuda" else "cpu")
     q_lo, q_hi = mesh.heads(hq)
     kv_lo, kv_hi = mesh.heads(hkv)
+    lay = _layout(model)
     for layer in _layers(model):
-        mlp, attn = layer.mlp, layer.self_attn
-        lo, hi = split(mlp.gate_proj.out_features, rank, p)
+        mlp, attn = getattr(layer, lay.mlp), getattr(layer, lay.attn)
+        lo, hi = split(getattr(mlp, lay.cols[0]).out_features, rank, p)
         x = Tokens()  # the MLP's input, gathered once for both projections
-        mlp.gate_proj = ColumnParallel(mlp.gate_proj, lo, hi, x)
-        mlp.up_proj = ColumnParallel(mlp.up_proj, lo, hi, x)
-        mlp.down_proj = RowParallel(mlp.down_proj, lo, hi, group, sliced=False)
-        if tpa > 1:  # this rank's slice of the heads: its own tokens' Q/K/V, no communication
+        for name in lay.cols:
+            setattr(mlp, name, ColumnParallel(getattr(mlp, name), lo, hi, x))
+        setattr(mlp, lay.row, RowParallel(getattr(mlp, lay.row), lo, hi, group, sliced=False))
+        if tpa > 1 and lay.fused:  # one linear, [q k v] per head: this slice's heads' rows
+            name, w = lay.qkv[0], lay.fused * hd
+            setattr(attn, name, ColumnParallel(getattr(attn, name), q_lo * w, q_hi * w, None))
+            attn.num_heads = q_hi - q_lo
+        elif tpa > 1:  # this rank's slice of the heads: its own tokens' Q/K/V, no communication
             attn.q_proj = ColumnParallel(attn.q_proj, q_lo * hd, q_hi * hd, None)
             attn.k_proj = ColumnParallel(attn.k_proj, kv_lo * hd, kv_hi * hd, None)
             attn.v_proj = ColumnParallel(attn.v_proj, kv_lo * hd, kv_hi * hd, None)
+        if tpa > 1:
+            setattr(attn, _HEADS, (q_lo, q_hi))  # (an ALiBi layer's slopes: hf.alibi)
         # the output projection: this rank's whole query heads of its slice's (all heads at tpa = 1)
         cuts, j, base = mesh.head_cuts(hq), mesh.seq_rank, q_lo * hd
-        attn.o_proj = RowParallel(attn.o_proj, base + cuts[j] * hd, base + cuts[j + 1] * hd, group, sliced=True,
-                                  base=base)  # fmt: skip
+        setattr(attn, lay.out, RowParallel(getattr(attn, lay.out), base + cuts[j] * hd, base + cuts[j + 1] * hd,
+                                           group, sliced=True, base=base))  # fmt: skip
     setattr(model, _MARK, p)
     setattr(model, _MESH, mesh)
     return model
 
 
 def _qkv_problem(model: nn.Module) -> str | None:
+    lay = _layout(model)
+    if not lay.qkv:
+        return (f"{type(model).__name__}: splitting the attention heads (tpa > 1) is not implemented for its "
+                "fused Q/K/V (all queries, then all keys, then all values); tpa = 1 splits the rest")  # fmt: skip
     for i, layer in enumerate(_layers(model)):
-        attn = getattr(layer, "self_attn", None)
-        for name in ("q_proj", "k_proj", "v_proj"):
+        attn = getattr(layer, lay.attn, None)
+        for name in lay.qkv:
             if type(getattr(attn, name, None)) is not nn.Linear:
-                return (f"layer {i}: splitting the attention heads (tpa > 1) needs self_attn.q_proj, k_proj "
-                        f"and v_proj as nn.Linear layers; {name} is not")  # fmt: skip
+                return (f"layer {i}: splitting the attention heads (tpa > 1) needs {lay.attn}."
+                        f"{', '.join(lay.qkv)} as nn.Linear layers; {name} is not")  # fmt: skip
     return None

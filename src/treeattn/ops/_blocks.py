@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .alibi import add_bias
 from .state import empty_state, merge_states
 
 __all__ = ["block_state"]
@@ -50,9 +51,11 @@ def _chunked(
     vis: Tensor | None = None,
     seq: tuple[Tensor, Tensor] | None = None,
     softcap: float | None = None,
+    bias: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Chunked online-softmax attention. ``seq = (seq_lo, seq_hi)`` ``[B]``: zero the values
-    outside each sequence's read range (0 x NaN would otherwise leak masked garbage)."""
+    outside each sequence's read range (0 x NaN would otherwise leak masked garbage).
+    ``bias``: an ALiBi bias per row (:func:`treeattn.ops.alibi.row_bias`), added after the softcap."""
     B, Hkv, R, _ = qg.shape
     S, Dv = k.shape[2], v.shape[3]
     acc = torch.float64 if qg.dtype == torch.float64 else torch.float32
@@ -64,6 +67,8 @@ def _chunked(
         s = torch.matmul(qs, kc.to(acc).transpose(-1, -2))  # [B, Hkv, R, C]
         if softcap is not None:
             s = torch.tanh(s / softcap) * softcap
+        if bias is not None:
+            s = add_bias(s, bias, s0)
         if lo is not None or hi is not None:
             j = torch.arange(s0, s0 + kc.shape[2], device=qg.device)
             hide = (j >= hi) if hi is not None else None

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from ._blocks import _chunked
 from ._bounds import _backend, _decode_call, _row_bounds, _trim, one_length
+from .alibi import Alibi, check_alibi, row_bias
 from .state import empty_state
 
 __all__ = ["attention_with_lse", "check_attention_inputs", "BACKENDS"]
@@ -41,6 +42,7 @@ def check_attention_inputs(
     check_values: bool = True,
     kv_start: Tensor | None = None,
     softcap: float | None = None,
+    alibi: Alibi | None = None,
 ) -> None:
     """Raise ``ValueError`` (``TypeError`` for non-tensors) naming the argument, the
     expected and the actual value when the inputs do not follow the layout contract of
@@ -86,6 +88,7 @@ def check_attention_inputs(
         or not (math.isfinite(softcap) and softcap > 0)
     ):
         raise ValueError(f"softcap must be a finite float > 0 or None, got {softcap!r}")
+    check_alibi(alibi, B, Hq, q.shape[2], k.shape[2], q.device)
     if kv_start is not None:
         if not isinstance(kv_start, Tensor):
             raise TypeError(f"kv_start must be a torch.Tensor or None, got {type(kv_start).__name__}")
@@ -123,6 +126,7 @@ def attention_with_lse(
     softcap: float | None = None,
     backend: Backend = "auto",
     check: bool = True,
+    alibi: Alibi | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Exact attention of ``q`` over ``k``/``v`` that also returns the log-sum-exp.
 
@@ -144,6 +148,10 @@ def attention_with_lse(
             ``c * tanh(s / c)`` before the softmax and the lse (Gemma-2 attention-logit
             softcapping), so states of shards still merge exactly. The ``flash_cpu`` kernel
             has no softcap: a call with ``softcap`` always runs the torch path.
+        alibi: optional :class:`treeattn.ops.Alibi` ``(slopes [Hq], q_pos [B] or [B, Tq],
+            k_pos [B, S])``: ``slopes[h] * (k_pos[j] - q_pos[i])`` is added to each (softcapped)
+            score (BLOOM's and MPT's position bias, on global positions so shards merge
+            exactly). Only the torch path adds it: a call with ``alibi`` always runs there.
         backend: ``"torch"`` (pure torch, chunked over S so the float32 score block stays
             under 32 MiB, any device), ``"flash_cpu"`` (PyTorch's fused CPU flash kernel,
             a private aten op; CPU, equal q/v head dims, S > 0), ``"decode_cpu"`` (a
@@ -172,15 +180,16 @@ def attention_with_lse(
 
     Raises:
         ValueError: bad shapes, dtypes, devices, kv_lens or kv_start out of range, a
-            softcap that is not a finite positive float, non-finite q, unknown backend.
+            softcap that is not a finite positive float, an alibi of the wrong shapes, dtypes
+            or device, non-finite q, unknown backend.
             TypeError: a non-tensor argument.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    check_attention_inputs(q, k, v, kv_lens, scale=scale, kv_start=kv_start, softcap=softcap, check_values=check)
-    return _attention(
-        q, k, v, scale=scale, kv_lens=kv_lens, causal=causal, kv_start=kv_start, softcap=softcap, backend=backend
-    )
+    check_attention_inputs(q, k, v, kv_lens, scale=scale, kv_start=kv_start, softcap=softcap, check_values=check,
+                           alibi=alibi)  # fmt: skip
+    return _attention(q, k, v, scale=scale, kv_lens=kv_lens, causal=causal, kv_start=kv_start, softcap=softcap,
+                      backend=backend, alibi=alibi)  # fmt: skip
 
 
 def _attention(
@@ -197,6 +206,7 @@ def _attention(
     kv_start: Tensor | None = None,
     kv_end: Tensor | None = None,
     softcap: float | None = None,
+    alibi: Alibi | None = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`attention_with_lse` without validation (callers have validated).
 
@@ -208,7 +218,8 @@ def _attention(
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
     scale = D**-0.5 if scale is None else float(scale)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    backend = _backend(q, k, v, backend, mask, kv_lens, causal, kv_start, kv_end, softcap)
+    # ALiBi: the torch path alone adds the bias
+    backend = "torch" if alibi is not None else _backend(q, k, v, backend, mask, kv_lens, causal, kv_start, kv_end, softcap)
     if backend == "decode_cpu" and mask is None:  # it reads only each row's [lo, hi): nothing to trim or zero
         return _decode_call(q, k, kv_lens, causal, kv_start, kv_end, softcap)(q, k, v, scale, keep_fp32)
     G = Hq // Hkv
@@ -216,6 +227,7 @@ def _attention(
     if n is not None:  # a slice of the keys, no per-row bounds to build and trim
         k, v, S, kv_lens = k[:, :, :n], v[:, :, :n], n, None
         mask = None if mask is None else mask[..., :n]
+        alibi = None if alibi is None else alibi._replace(k_pos=alibi.k_pos[:, :n])
     # every row's visible keys are [lo, hi) (AND the optional dense mask), computed here only
     lo, hi = _row_bounds(B, Tq, G, S, kv_lens, causal, kv_start, kv_end, q.device)
     if backend == "triton":  # straight to the kernel: it reads each row's bounds itself (no trim, no sync)
@@ -227,6 +239,8 @@ def _attention(
         S = k.shape[2]
         if mask is not None:
             mask = mask[..., span[0] : span[1]]
+        if alibi is not None:
+            alibi = alibi._replace(k_pos=alibi.k_pos[:, span[0] : span[1]])
     if S == 0 or B * Hq * Tq == 0:
         out, lse = empty_state((B, Hq, Tq, Dv), q.device)
         return out.to(acc if keep_fp32 else q.dtype), lse.to(acc)
@@ -261,7 +275,8 @@ def _attention(
         if redo:
             out, lse = _chunked(qg, k, v, scale, lo, hi, vis, None, softcap)
     else:
-        out, lse = _chunked(qg, k, v, scale, lo, hi, vis, seq, softcap)
+        bias = None if alibi is None else row_bias(alibi, B, Hkv, Tq, acc)
+        out, lse = _chunked(qg, k, v, scale, lo, hi, vis, seq, softcap, bias)
     return out.to(acc if keep_fp32 else q.dtype).reshape(B, Hq, Tq, Dv), lse.reshape(B, Hq, Tq)
 
 

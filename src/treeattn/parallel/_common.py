@@ -72,11 +72,13 @@ def validate_decode(
     window: int | None = None,
     cost_model: Callable[[], int] | None = None,
     heads: list[int] | None = None,
+    alibi=None,
 ) -> None:
     """Local checks on this rank, then one all-gather so every rank raises the same
     ``ValueError`` when any rank's input is bad or the ranks disagree on the metadata.
     ``cost_model``: returns the fingerprint of ``auto``'s cost model (may raise ValueError);
-    ``heads``: the cut points of a reduction scattered over the heads (tree_decode's)."""
+    ``heads``: the cut points of a reduction scattered over the heads (tree_decode's);
+    ``alibi``: a :class:`treeattn.ops.Alibi` (its slopes are agreed)."""
     err = None
     model = 0
     try:
@@ -84,7 +86,9 @@ def validate_decode(
             model = cost_model()
         if op not in allowed:
             raise ValueError(f"strategy must be one of {tuple(allowed)}, got {op!r}")
-        check_attention_inputs(q, k, v, kv_lens, scale=scale, kv_start=kv_start, softcap=softcap)
+        check_attention_inputs(q, k, v, kv_lens, scale=scale, kv_start=kv_start, softcap=softcap, alibi=alibi)
+        if alibi is not None and new_k is not None and q.shape[2] > 1 and alibi.q_pos.ndim != 2:
+            raise ValueError("alibi.q_pos must be [B, Tq] with new tokens and Tq > 1 (their positions)")
         check_new_tokens(q, k, v, new_k, new_v, new_mask)
         check_window(window)
         p = world(group)[1]
@@ -113,6 +117,7 @@ def validate_decode(
         "window": window if ok else None,
         "cost model (profile)": model,
         "heads": ",".join(map(str, heads)) if ok and heads is not None else None,
+        "alibi slopes": ",".join(f"{x:.9g}" for x in alibi.slopes.tolist()) if ok and alibi is not None else None,
     }
     device = q.device if isinstance(q, Tensor) and q.device.type != "cpu" and _nccl(group) else "cpu"
     agree(fields, err, group=group, device=device)

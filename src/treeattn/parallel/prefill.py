@@ -9,6 +9,7 @@ from torch import Tensor
 
 from ..comm.collectives import all_gather, all_to_all, world
 from ..comm.strategies import STRATEGIES, reduce_states
+from ..ops.alibi import Alibi
 from ..ops.attention import _attention
 from ..ops.causal import causal_block_states, causal_square_states
 from ..ops.state import empty_state, merge_into
@@ -28,6 +29,7 @@ def causal_states(
     backend: str = "auto",
     window: int | None = None,
     softcap: float | None = None,
+    alibi: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Float32 state of queries at global positions ``qpos [T]`` over keys at ``kpos [S]``
     (host int64; a query at position ``P`` sees the keys at positions ``P - window < pos <= P``
@@ -37,7 +39,8 @@ def causal_states(
     per-query ``[start, end)`` slot bounds: float32 on AVX-512 CPUs runs them in one call of
     the prefill kernel (:mod:`treeattn.ops._prefill_cpu`), else through PyTorch's fused kernel;
     keys out of order get a dense mask for at most ``_MASK_BUDGET`` elements at a time (query
-    rows in chunks)."""
+    rows in chunks). ``alibi``: ALiBi slopes ``[Hq]`` (:class:`treeattn.ops.Alibi` on these
+    positions): the per-row path on the torch kernel."""
     qpos, kpos = qpos.to(torch.int64), kpos.to(torch.int64)
     T = q.shape[2]
     real = qpos[qpos >= 0]
@@ -51,6 +54,8 @@ def causal_states(
         out, lse = empty_state((q.shape[0], q.shape[1], T, v.shape[3]), q.device)
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         return out.to(acc), lse.to(acc)
+    if alibi is not None:
+        return _biased(q, k, v, qpos, kpos, lo_pos, scale, softcap, alibi)
     if int(kpos.max()) <= int(qpos.min()) and (window is None or int(kpos.min()) > int(qpos.max()) - window):
         st = causal_block_states(q, k, v, None, None, scale, softcap, backend)  # all visible
         return st or _attention(q, k, v, scale=scale, softcap=softcap, backend=backend, keep_fp32=True)
@@ -80,6 +85,26 @@ def causal_states(
                 vis &= kpos[None, :] >= lo_pos[a : a + rows, None]
             kw = dict(mask=vis.unsqueeze(0).to(q.device))
         parts.append(_attention(qa, k, v, scale=scale, softcap=softcap, backend=backend, keep_fp32=True, **kw))
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat([x[0] for x in parts], 2), torch.cat([x[1] for x in parts], 2)
+
+
+def _biased(q, k, v, qpos: Tensor, kpos: Tensor, lo_pos: Tensor | None, scale, softcap, slopes: Tensor):
+    """:func:`causal_states` under ALiBi: rows in chunks, each with its bias and a dense mask
+    on positions (keys in any order)."""
+    B, T = q.shape[0], q.shape[2]
+    rows = max(1, _MASK_BUDGET // (q.shape[1] // max(1, k.shape[1]) * len(kpos)))
+    kp = kpos.to(q.device).expand(B, -1)
+    parts = []
+    for a in range(0, T, rows):
+        qa = qpos[a : a + rows]
+        vis = kpos[None, :] <= qa[:, None]
+        if lo_pos is not None:
+            vis &= kpos[None, :] >= lo_pos[a : a + rows, None]
+        bias = Alibi(slopes, qa.to(q.device).expand(B, -1), kp)
+        parts.append(_attention(q[:, :, a : a + rows], k, v, scale=scale, softcap=softcap, backend="torch",
+                                keep_fp32=True, mask=vis.unsqueeze(0).to(q.device), alibi=bias))  # fmt: skip
     if len(parts) == 1:
         return parts[0]
     return torch.cat([x[0] for x in parts], 2), torch.cat([x[1] for x in parts], 2)
@@ -150,6 +175,7 @@ def ring_prefill(
     q_positions: Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    alibi: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact causal attention for a prompt whose tokens are spread over the ranks of ``group``.
 
@@ -166,6 +192,8 @@ def ring_prefill(
         window: sliding window on global positions: a query at position ``a`` sees only the
             keys at ``a - window < pos <= a`` (transformers' ``sliding_window``).
         softcap: attention-logit softcapping (see :func:`treeattn.attention_with_lse`).
+        alibi: ALiBi slopes ``[Hq]`` (BLOOM, MPT): ``slopes[h] * (key - query position)`` added
+            to every score, on these global positions.
 
     Returns:
         ``out [B, Hq, n, Dv]`` in q's dtype (and lse ``[B, Hq, n]`` float32).
@@ -182,7 +210,7 @@ def ring_prefill(
 
     def visit(src: int, kb: Tensor, vb: Tensor) -> None:
         o, l = causal_states(
-            q, kb, vb, qpos, positions[src], scale=scale, backend=backend, window=window, softcap=softcap
+            q, kb, vb, qpos, positions[src], scale=scale, backend=backend, window=window, softcap=softcap, alibi=alibi
         )
         if state:
             merge_into(*state, o, l)
@@ -209,6 +237,7 @@ def tree_prefill(
     return_lse: bool = False,
     window: int | None = None,
     softcap: float | None = None,
+    alibi: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact causal attention for queries spread over the ranks of ``group`` against a KV
     cache sharded over them, by Tree Attention: the ranks gather every rank's queries (one
@@ -229,8 +258,8 @@ def tree_prefill(
         strategy: ``"auto"``: the all-to-all above; another of ``treeattn.comm.STRATEGIES``
             merges every query's states on every rank by that reduction (as
             :func:`treeattn.tree_decode`), then keeps this rank's.
-        window, softcap: sliding window on global positions and attention-logit
-            softcapping, as :func:`ring_prefill`.
+        window, softcap, alibi: sliding window on global positions, attention-logit
+            softcapping and ALiBi slopes, as :func:`ring_prefill`.
 
     Returns:
         ``out [B, Hq, n, Dv]`` in q's dtype (and lse ``[B, Hq, n]`` float32).
@@ -251,7 +280,7 @@ def tree_prefill(
     pad = torch.full((nmax,), -1, dtype=torch.int64)
     allpos = torch.cat([torch.cat([x.to(torch.int64), pad[: nmax - len(x)]]) for x in q_positions])
     out, lse = causal_states(
-        allq, k, v, allpos, k_positions, scale=scale, backend=backend, window=window, softcap=softcap
+        allq, k, v, allpos, k_positions, scale=scale, backend=backend, window=window, softcap=softcap, alibi=alibi
     )
     if strategy == "auto" and p > 1:  # each rank gets only its own queries' states: an all-to-all
         st = torch.cat([out, lse.to(out.dtype).unsqueeze(-1)], -1).unflatten(2, (p, nmax)).movedim(2, 0)

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ..comm.collectives import all_gather, sendrecv, world
 from ..comm.shm import shm_exchange
+from ..ops.alibi import Alibi
 from ..ops.attention import _attention
 from ..ops.state import merge_states, merge_states_n
 from ._common import validate_decode
@@ -90,9 +91,9 @@ def ring_pass(
     visit(held_src, *shaped(held_src, held))
 
 
-def _visible_slice(k: Tensor, v: Tensor, kv_lens: Tensor | None, kv_start: Tensor):
+def _visible_slice(k: Tensor, v: Tensor, kv_lens: Tensor | None, kv_start: Tensor, alibi: Alibi | None):
     """This shard's slots some query can see (``[a, b)``) and the bounds relative to it, on
-    the host: only those travel around the ring."""
+    the host: only those travel around the ring (with ``alibi``, its key positions sliced alike)."""
     B, S = k.shape[0], k.shape[2]
     lens = torch.full((B,), S, dtype=torch.int64) if kv_lens is None else kv_lens.cpu().to(torch.int64)
     st = kv_start.cpu().to(torch.int64).clamp(0, S)
@@ -100,7 +101,19 @@ def _visible_slice(k: Tensor, v: Tensor, kv_lens: Tensor | None, kv_start: Tenso
     live = lo < lens
     a, b = (int(lo[live].min()), int(lens[live].max())) if bool(live.any()) else (0, 0)
     n = b - a
-    return k[:, :, a:b], v[:, :, a:b], (lens - a).clamp(0, n), (st - a).clamp(0, n)
+    alibi = None if alibi is None else alibi._replace(k_pos=alibi.k_pos[:, a:b])
+    return k[:, :, a:b], v[:, :, a:b], (lens - a).clamp(0, n), (st - a).clamp(0, n), alibi
+
+
+def _positions(alibi: Alibi, S: int, info: Tensor | None, group) -> list[Tensor]:
+    """Every rank's key positions ``[B, S_j]`` (``info``: the gathered lengths; None: one rank)."""
+    kp = alibi.k_pos[:, :S].to(torch.int64)
+    if info is None:
+        return [kp]
+    sizes = info[:, 0].tolist()
+    pad = kp.new_full((kp.shape[0], max(1, max(sizes)) - S), -1)
+    allp = all_gather(torch.cat([kp, pad], 1), group)
+    return [allp[j, :, : sizes[j]] for j in range(len(sizes))]
 
 
 def ring_decode(
@@ -120,20 +133,21 @@ def ring_decode(
     kv_start: Tensor | None = None,
     softcap: float | None = None,
     window: int | None = None,
+    alibi: Alibi | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Same contract as :func:`treeattn.tree_decode` (minus ``strategy``/``topology``), computed
-    by Ring Attention. Before the ring, one small all-gather shares every shard's length
+    by Ring Attention. With ``alibi`` every shard's key positions are all-gathered once per call
+    (integers, ``1 / (2 Hkv D)`` of the K/V that travel). Before the ring, one small all-gather shares every shard's length
     and ``kv_lens`` (a host sync: receive buffers are sized from it). The p partial states
     are merged in rank order, so the result is bitwise identical on every rank. With
     ``kv_start`` (a sliding window) only the slots some query can see travel the ring."""
     if check:
-        validate_decode(
-            q, k, v, kv_lens, new_k, new_v, new_mask, scale, "ring", group, ("ring",), 0, kv_start, softcap, window
-        )
+        validate_decode(q, k, v, kv_lens, new_k, new_v, new_mask, scale, "ring", group, ("ring",), 0, kv_start,
+                        softcap, window, alibi=alibi)  # fmt: skip
     _, p = world(group)
     B = k.shape[0]
     if kv_start is not None and p > 1:
-        k, v, lens, starts = _visible_slice(k, v, kv_lens, kv_start)
+        k, v, lens, starts, alibi = _visible_slice(k, v, kv_lens, kv_start, alibi)
         starts = starts.reshape(B, -1)
     else:
         lens = kv_lens if kv_lens is not None else torch.full((B,), k.shape[2], device=q.device)
@@ -143,6 +157,7 @@ def ring_decode(
     if p > 1:
         parts = [lens.new_tensor([S]), lens] + ([starts.flatten()] if starts is not None else [])
         info = all_gather(torch.cat([x.to(torch.int64) for x in parts]).to(q.device), group).cpu()
+    kpos = _positions(alibi, k.shape[2], info, group) if alibi is not None else None
     states: dict[int, tuple[Tensor, Tensor]] = {}
 
     def visit(src: int, kb: Tensor, vb: Tensor) -> None:
@@ -155,9 +170,9 @@ def ring_decode(
                 sb = info[src, 1 + B :].view(B, -1)
                 sb = (sb[:, 0] if kv_start.ndim == 1 else sb).to(q.device)  # _attention skips an unseen block
             lb = None if bool((lb == kb.shape[2]).all()) else lb.to(q.device)  # info is on the host
-        states[src] = _attention(
-            q, kb, vb, scale=scale, kv_lens=lb, kv_start=sb, softcap=softcap, backend=backend, keep_fp32=True
-        )
+        bias = None if alibi is None else alibi._replace(k_pos=kpos[src][:, : kb.shape[2]])
+        states[src] = _attention(q, kb, vb, scale=scale, kv_lens=lb, kv_start=sb, softcap=softcap, backend=backend,
+                                 keep_fp32=True, alibi=bias)  # fmt: skip
 
     ring_pass(k, v, info[:, 0].tolist() if info is not None else [S], group, visit)
     # merge in rank order, not arrival order: the result is bitwise identical on every rank
@@ -166,7 +181,7 @@ def ring_decode(
     )
     if new_k is not None:
         out, lse = merge_states(
-            out, lse, *new_token_state(q, new_k, new_v, new_mask, scale, softcap=softcap, window=window)
+            out, lse, *new_token_state(q, new_k, new_v, new_mask, scale, softcap=softcap, window=window, alibi=alibi)
         )
     out = out.to(q.dtype)
     return (out, lse) if return_lse else out

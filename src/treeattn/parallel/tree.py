@@ -12,6 +12,7 @@ from ..comm.collectives import world
 from ..comm.scatter import reduce_scatter_heads
 from ..comm.strategies import STRATEGIES, auto_model, reduce_states
 from ..comm.topology import Topology
+from ..ops.alibi import Alibi
 from ..ops.attention import _attention
 from ..ops.state import merge_states
 from ._common import validate_decode
@@ -26,21 +27,27 @@ def new_token_state(
     *,
     softcap: float | None = None,
     window: int | None = None,
+    alibi: Alibi | None = None,
 ) -> tuple[Tensor, Tensor]:
     """State of the queries over their own tokens, float32. Default mask: causal, and with
     ``window`` query i sees new token j only if ``0 <= i - j < window`` (on the CPU as per-query
-    bounds in the compiled kernel: 35-55 us a call for 2-9 tokens, 77-89 us with a mask)."""
+    bounds in the compiled kernel: 35-55 us a call for 2-9 tokens, 77-89 us with a mask).
+    ``alibi``: the queries' bias; the new tokens' positions are the queries'."""
     B, Tq = q.shape[0], q.shape[2]
+    if alibi is not None:
+        qp = alibi.q_pos.reshape(B, -1).expand(B, Tq)
+        alibi = Alibi(alibi.slopes, qp, qp)
     if new_mask is None and q.device.type == "cpu":
         lo = None if window is None else (torch.arange(Tq) - (window - 1)).clamp_min(0).expand(B, Tq)
         return _attention(q, new_k, new_v, scale=scale, causal=True, kv_start=lo, softcap=softcap,
-                          backend="decode_cpu", keep_fp32=True)  # fmt: skip
+                          backend="decode_cpu", keep_fp32=True, alibi=alibi)  # fmt: skip
     if new_mask is None:
         new_mask = torch.ones(Tq, Tq, dtype=torch.bool, device=q.device).tril()
         if window is not None:
             new_mask = new_mask.triu(1 - window)
     mask = new_mask if new_mask.ndim == 3 else new_mask.unsqueeze(0)
-    return _attention(q, new_k, new_v, scale=scale, mask=mask, softcap=softcap, backend="torch", keep_fp32=True)
+    return _attention(q, new_k, new_v, scale=scale, mask=mask, softcap=softcap, backend="torch", keep_fp32=True,
+                      alibi=alibi)  # fmt: skip
 
 
 def tree_decode(
@@ -64,6 +71,7 @@ def tree_decode(
     window: int | None = None,
     profile: Any = None,
     heads: list[int] | None = None,
+    alibi: Alibi | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention of ``q`` over a KV cache sharded along the sequence across ``group``.
 
@@ -107,6 +115,11 @@ def tree_decode(
             instead of ``strategy``'s reduction) and rank ``j`` returns heads ``[heads[j],
             heads[j + 1])`` only (Helix: each rank then multiplies its heads' columns of the
             output projection). None: every rank returns every head.
+        alibi: optional :class:`treeattn.ops.Alibi`: ALiBi biases (BLOOM, MPT) on global
+            positions, ``q_pos [B]`` or ``[B, Tq]`` and this shard's ``k_pos [B, S_local]``
+            (the new tokens' positions are the queries'; with new tokens and ``Tq`` > 1,
+            ``q_pos`` is ``[B, Tq]``); the same slopes on every rank. The local attention then
+            runs on the torch path.
 
     Returns:
         ``out [B, Hq, Tq, Dv]`` in q's dtype, the same on every rank (``[B, h, Tq, Dv]``, this
@@ -118,7 +131,7 @@ def tree_decode(
         ValueError: on *every* rank, when any rank's input is invalid or ranks disagree on
             B, Hq, Hkv, D, Dv, Tq, dtype, scale, strategy, the presence of new tokens, the
             shape of ``new_mask`` (or its absence), the topology's ranks per node, softcap,
-            window, the presence and rank of ``kv_start`` or (``auto``) the cost model; also
+            window, the presence and rank of ``kv_start``, the ALiBi slopes or (``auto``) the cost model; also
             when a rank's profile is absent or malformed (:class:`treeattn.cost.ProfileError`
             names the file and the field).
     """
@@ -133,7 +146,7 @@ def tree_decode(
             return model.fingerprint()
 
         validate_decode(q, k, v, kv_lens, new_k, new_v, new_mask, scale, strategy, group, STRATEGIES, rpn,
-                        kv_start, softcap, window, fingerprint if strategy == "auto" else None, heads)  # fmt: skip
+                        kv_start, softcap, window, fingerprint if strategy == "auto" else None, heads, alibi)  # fmt: skip
         profile = model if model is not None else profile
     # one rank and no new tokens: the local state is the answer, written in q's dtype by the kernel
     # (no reduction, no cast: the local op's cost; its lse is never +inf, which a reduction reads as empty)
@@ -141,7 +154,7 @@ def tree_decode(
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     alone = world(group)[1] == 1
     out, lse = _attention(q, k, v, scale=scale, kv_lens=kv_lens, kv_start=kv_start, softcap=softcap,
-                          backend=backend, keep_fp32=not alone or new_k is not None)  # fmt: skip
+                          backend=backend, keep_fp32=not alone or new_k is not None, alibi=alibi)  # fmt: skip
     mine = slice(None)  # the heads this rank returns
     if not alone and heads is not None:
         rank = world(group)[0]
@@ -150,7 +163,7 @@ def tree_decode(
     elif not alone:
         out, lse = reduce_states(out, lse, group=group, strategy=strategy, topology=topology, profile=profile)
     if new_k is not None:
-        n_out, n_lse = new_token_state(q, new_k, new_v, new_mask, scale, softcap=softcap, window=window)
+        n_out, n_lse = new_token_state(q, new_k, new_v, new_mask, scale, softcap=softcap, window=window, alibi=alibi)
         out, lse = merge_states(out, lse, n_out[:, mine], n_lse[:, mine])
     out = out.to(q.dtype)
     return (out, lse) if return_lse else out

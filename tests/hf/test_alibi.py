@@ -1,0 +1,114 @@
+"""ALiBi families (BLOOM, MPT: treeattn.hf.alibi) at p = 2 and 3 against single-process
+transformers: greedy tokens identical, Tree and Ring, both placements, whole and chunked
+prefill, with the weights whole, split (tensor_parallel) and, for BLOOM, the heads split too
+(tpa = p); prompt-lookup speculation (a chain and a token tree) and contrastive search; last
+logits within 2x single-process float32's error against float64. In-process: the bias is
+what makes the answer (zeroed slopes give other tokens), the layers still run plain
+transformers calls, and what is not implemented (the batched server step, MPT's heads split)
+is refused by name."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("transformers")
+
+from test_tensor_parallel import reference_tokens  # noqa: E402
+
+from treeattn.launch import launch  # noqa: E402
+
+NEW = 10
+
+
+def tiny(kind: str, dtype=torch.float32):
+    from treeattn.hf.presets import build_model
+
+    return build_model(f"tiny-{kind}", None, dtype, seed=0)[0]
+
+
+def alibi_worker() -> None:
+    from treeattn.hf import generate
+    from treeattn.hf.tensor_parallel import tensor_parallel
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    cases = [("bloom", "interleaved", "tree", None, 1), ("bloom", "contiguous", "ring", 8, 1),
+             ("bloom", "interleaved", "ring", 8, p), ("bloom", "contiguous", "tree", None, p),
+             ("mpt", "interleaved", "ring", 8, 0), ("mpt", "contiguous", "tree", None, 1)]  # fmt: skip
+    for i, (kind, placement, attention, chunk, tp) in enumerate(cases):
+        whole = tiny(kind)
+        m = whole if tp == 0 else tensor_parallel(copy.deepcopy(whole), tpa=tp)  # tp 0: weights whole
+        if kind == "bloom" and tp == p:  # this rank's heads' rows of the fused Q/K/V only
+            attn = m.transformer.h[0].self_attention
+            assert attn.num_heads * p == 6 and attn.query_key_value.out_features == 3 * attn.num_heads * attn.head_dim
+        L = (37, 64, 45, 90, 64, 37)[i]
+        ids = torch.randint(0, 512, (1, L), generator=torch.Generator().manual_seed(L))
+        info = {}
+        out = generate(m, ids, max_new_tokens=NEW, placement=placement, attention=attention, prefill_chunk=chunk,
+                       stop_at_eos=False, info=info)  # fmt: skip
+        case = f"p={p} {kind} {placement} {attention} chunk={chunk} {'whole' if tp == 0 else f'tp tpa={tp}'}"
+        ref = reference_tokens(whole, ids, NEW)
+        assert torch.equal(out, ref), f"{case}: {out.tolist()} != {ref.tolist()}"
+        full = torch.cat([ids, out[:, :-1]], 1)
+        l64 = copy.deepcopy(whole).double()(full).logits[:, -1]
+        e_pt = (whole(full).logits[:, -1].double() - l64).abs().max().item()
+        e_ours = (info["last_logits"].double() - l64).abs().max().item()
+        assert e_ours <= 2 * e_pt + 1e-5, f"{case}: logits err {e_ours:.3g} vs single-process {e_pt:.3g}"
+    whole = tiny("bloom")
+    ids = torch.tensor([[7, 8, 9, 10, 11, 12] * 6])
+    ref = reference_tokens(whole, ids, NEW)
+    for width, m in ((1, whole), (2, tensor_parallel(copy.deepcopy(whole)))):
+        info = {}
+        out = generate(m, ids, max_new_tokens=NEW, speculate="prompt-lookup", tree_width=width, adaptive_draft=False,
+                       stop_at_eos=False, info=info)  # fmt: skip
+        assert torch.equal(out, ref), f"p={p} bloom speculation width {width}: {out.tolist()} != {ref.tolist()}"
+        assert info["target_forwards"] < NEW, info
+    w64 = tiny("mpt", torch.float64)
+    ids = torch.randint(0, 512, (1, 21), generator=torch.Generator().manual_seed(4))
+    kw = dict(max_new_tokens=NEW, penalty_alpha=0.6, top_k=4, stop_at_eos=False, prefill_chunk=4)
+    alone = [dist.new_group([r]) for r in range(p)][rank]  # (every rank creates every group)
+    single = generate(w64, ids, group=alone, **kw)
+    assert torch.equal(generate(w64, ids, **kw), single), f"p={p} mpt contrastive search"
+    with pytest.raises(ValueError, match="fused Q/K/V"):  # on every rank
+        tensor_parallel(tiny("mpt"), tpa=p)
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_alibi_families_match_single_process(p):
+    launch(alibi_worker, p, timeout=900)
+
+
+@pytest.mark.parametrize("kind", ["bloom", "mpt"])
+def test_the_bias_makes_the_answer(kind, monkeypatch):
+    import treeattn.hf.alibi as A
+    from treeattn.hf import generate
+
+    m = tiny(kind)
+    ids = torch.randint(0, 512, (1, 64), generator=torch.Generator().manual_seed(64))
+    ref = reference_tokens(m, ids, NEW)
+    before = m(ids).logits
+    assert torch.equal(generate(m, ids, max_new_tokens=NEW, stop_at_eos=False), ref)
+    assert torch.equal(m(ids).logits, before)  # outside a treeattn step the layers run their own forward
+    for layer in A.alibi_layers(m):  # the slopes zeroed: other tokens (the tests above would see a lost bias)
+        layer._treeattn_slopes = None
+    zero = {"bloom": "alibi_slopes", "mpt": "mpt_slopes"}[kind]
+    real = getattr(A, zero)
+    monkeypatch.setattr(A, zero, lambda *a: real(*a) * 0)
+    assert not torch.equal(generate(m, ids, max_new_tokens=NEW, stop_at_eos=False), ref)
+
+
+def test_mpt_slopes_are_transformers():
+    from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
+
+    from treeattn.hf.alibi import mpt_slopes
+
+    for n in (1, 2, 3, 4, 6, 8, 12):
+        assert torch.equal(mpt_slopes(n), -build_mpt_alibi_tensor(n, 2)[:, 0, 0]), n
+
+
+def test_batched_step_refuses_alibi():
+    from treeattn.hf.batch import BatchRunner
+
+    with pytest.raises(ValueError, match="ALiBi biases in the batched step"):
+        BatchRunner(tiny("bloom"))
