@@ -112,3 +112,25 @@ def test_batched_step_refuses_alibi():
 
     with pytest.raises(ValueError, match="ALiBi biases in the batched step"):
         BatchRunner(tiny("bloom"))
+
+
+def test_cli_generate_bloom_loaded_split(tmp_path):
+    import subprocess
+    import sys
+
+    tiny("bloom").save_pretrained(tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-m", "treeattn", "generate", "--nproc", "2", "--model", str(tmp_path), "--tp", "2", "--tpa",
+         "2", "--prompt-len", "40", "--max-new-tokens", "6", "--ignore-eos", "--compare-single"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "identical to single-process model.generate" in r.stderr, r.stderr
+
+
+def test_cli_serve_refuses_alibi(capsys):
+    from treeattn.cli import main
+
+    assert main(["serve", "--preset", "tiny-mpt", "--nproc", "2", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "ALiBi biases in the server's batched step are not implemented" in err and "Traceback" not in err, err

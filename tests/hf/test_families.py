@@ -122,6 +122,8 @@ def test_families_match_single_process(p):
 
 def test_unsupported_reason():
     from transformers import (
+        BloomConfig,
+        FalconConfig,
         Gemma2Config,
         Gemma3TextConfig,
         GptOssConfig,
@@ -141,6 +143,8 @@ def test_unsupported_reason():
         Gemma2Config(),
         Gemma3TextConfig(),
         LlamaConfig(),
+        MptConfig(),  # ALiBi: hf.alibi (tests/hf/test_alibi.py)
+        BloomConfig(),
     ):
         assert unsupported_reason(cfg) is None, type(cfg).__name__
     assert MistralConfig().sliding_window == 4096
@@ -148,7 +152,7 @@ def test_unsupported_reason():
         "GPT-OSS (gpt_oss): its attention has learned sink logits": GptOssConfig(),
         "Llama-4 (llama4_text): its chunked attention": Llama4TextConfig(),
         "Gemma-3 (gemma3_text): its attention is bidirectional": Gemma3TextConfig(use_bidirectional_attention=True),
-        "MPT (mpt): its ALiBi position biases": MptConfig(),
+        "falcon: its ALiBi position biases": FalconConfig(alibi=True),
         "t5: it is an encoder-decoder model": T5Config(),
     }
     for start, cfg in refused.items():

@@ -39,6 +39,9 @@ def prepare(a: argparse.Namespace) -> str | None:
     if not dist.is_initialized():  # the local launcher (torchrun ranks prepare in their group)
         _listen(a.host, a.port).close()
     model_dir, cfg = check_model(a)
+    if getattr(cfg, "model_type", "") in ("bloom", "mpt"):  # hf.alibi: generate runs them, the batched step not
+        raise UsageError(f"{cfg.model_type}: ALiBi biases in the server's batched step are not implemented "
+                         "(treeattn generate runs this model)")  # fmt: skip
     pos = getattr(cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg, "max_position_embeddings", None)
     if a.max_model_len is not None and pos and a.max_model_len > pos:
         raise UsageError(f"--max-model-len {a.max_model_len} exceeds the model's {pos} positions")

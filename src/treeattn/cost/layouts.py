@@ -34,7 +34,8 @@ STATE = 4  # bytes per attention state element (float32)
 
 @dataclass(frozen=True)
 class Shape:
-    """A decoder-only transformer's sizes (a Llama-style gated MLP)."""
+    """A decoder-only transformer's sizes (a Llama-style gated MLP: ``mlp_mats`` = 3 linears of
+    ``hidden x intermediate``; 2 for a plain MLP, as BLOOM's and MPT's)."""
 
     name: str
     layers: int
@@ -45,9 +46,10 @@ class Shape:
     intermediate: int
     vocab: int
     tied: bool = False
+    mlp_mats: int = 3
 
     def params(self) -> int:
-        per = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads) + 3 * self.hidden * self.intermediate
+        per = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads) + self.mlp_mats * self.hidden * self.intermediate
         return self.layers * per + self.vocab * self.hidden * (1 if self.tied else 2)
 
 
@@ -109,7 +111,7 @@ def step(c: Cluster, m: Shape, n: int, seq: int, layout: str, *, batch: int = 1,
     else:
         tpa, kvp, split = tpa or 1, n // (tpa or 1), n
     qkv = h * d * (m.heads + 2 * m.kv_heads) * e / tpa
-    rest = (m.heads * d * h + 3 * h * m.intermediate) * e / split
+    rest = (m.heads * d * h + m.mlp_mats * h * m.intermediate) * e / split
     head = m.vocab * h * e / n  # vocabulary-parallel in every layout
     embed = m.vocab * h * e * (0 if m.tied else 1) / (1 if layout == "kvp" else n)  # held, one row read
     w_read = L * (qkv + rest) + head
@@ -139,9 +141,13 @@ def shape_of(config) -> Shape:
     """The :class:`Shape` of a transformers config (its text config; duck-typed: no import)."""
     c = config.get_text_config() if hasattr(config, "get_text_config") else config
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return Shape(getattr(c, "model_type", "model"), c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
-                 getattr(c, "num_key_value_heads", None) or c.num_attention_heads, hd, c.intermediate_size,
-                 c.vocab_size, bool(getattr(c, "tie_word_embeddings", False)))  # fmt: skip
+    mt = getattr(c, "model_type", "model")
+    inter = getattr(c, "intermediate_size", None)
+    if inter is None:  # plain MLPs: BLOOM's 4 x hidden, MPT's expansion_ratio x hidden
+        inter = int(getattr(c, "expansion_ratio", 4) * c.hidden_size)
+    return Shape(mt, c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
+                 getattr(c, "num_key_value_heads", None) or c.num_attention_heads, hd, inter, c.vocab_size,
+                 bool(getattr(c, "tie_word_embeddings", False)), 3 if mt not in ("bloom", "mpt") else 2)  # fmt: skip
 
 
 def pick_tp(c: Cluster, m: Shape, n: int, seq: int, *, batch: int = 1, dtype_bytes: int = 2,

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from .._host import available_memory, cache_root  # noqa: F401  (re-exported: the CLI reads them here)
+from ..cost.layouts import shape_of
 
 _WEIGHTS = ("*.safetensors", "*.safetensors.index.json")
 _HUB_FILES = ["*.json", "*.jinja", "*.txt", "*.model", "tokenizer*", *_WEIGHTS]
@@ -208,20 +209,20 @@ def memory_plan(config, *, prompt_len: int, max_new_tokens: int, nproc: int, bat
     ``prompt_len + max_new_tokens`` tokens) and ``activations`` (one prefill chunk through the
     widest layer, plus the gathered queries and states of Tree prefill), and their ``total``.
     ``n_params`` (the whole model's, counted elsewhere) is taken as is, split or not."""
-    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    m = shape_of(config)
     es = torch.finfo(dtype).bits // 8
-    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    if n_params is None:  # embeddings (+ head unless tied) and per layer attention + gated MLP
-        emb = c.vocab_size * c.hidden_size
-        qkv = c.hidden_size * hd * (c.num_attention_heads + 2 * c.num_key_value_heads) // tpa
-        split = c.hidden_size * hd * c.num_attention_heads + 3 * c.hidden_size * c.intermediate_size
+    hd, H = m.head_dim, m.hidden
+    if n_params is None:  # embeddings (+ head unless tied) and per layer attention + MLP
+        emb = m.vocab * H
+        qkv = H * hd * (m.heads + 2 * m.kv_heads) // tpa
+        split = H * hd * m.heads + m.mlp_mats * H * m.intermediate
         layer = qkv + -(-split // tp)
-        n_params = emb * (1 if getattr(c, "tie_word_embeddings", False) else 2) + c.num_hidden_layers * layer
+        n_params = emb * (1 if m.tied else 2) + m.layers * layer
     tokens = -(-(prompt_len + max_new_tokens) // (nproc // tpa)) + 16  # a slice's sequence shards
-    kv = c.num_hidden_layers * batch * c.num_key_value_heads // tpa * 2 * hd * tokens * es
+    kv = m.layers * batch * m.kv_heads // tpa * 2 * hd * tokens * es
     share = -(-prompt_len // nproc)
     chunk = min(share, prefill_chunk or share)
-    act = batch * chunk * (4 * c.hidden_size + 3 * c.intermediate_size) * 4
-    act += batch * nproc * chunk * c.num_attention_heads * (2 * hd + 1) * 4 * 3
-    act += batch * c.vocab_size * 4 * 2
+    act = batch * chunk * (4 * H + 3 * m.intermediate) * 4
+    act += batch * nproc * chunk * m.heads * (2 * hd + 1) * 4 * 3
+    act += batch * m.vocab * 4 * 2
     return {"weights": n_params * es, "kv_cache": kv, "activations": act, "total": n_params * es + kv + act}
