@@ -13,10 +13,11 @@ M8, M70, M405 = MODELS["llama-3.1-8b"], MODELS["llama-3.1-70b"], MODELS["llama-3
 
 def test_bytes_per_rank_by_hand():
     L, h, d, e = 32, 4096, 128, 2
-    # KVP only: every weight on every rank but the vocabulary-parallel head; the sequence over all 8
+    # KVP only: every weight on every rank (the vocabulary-parallel head read by slices, held
+    # whole); the sequence over all 8
     s = step(C, M8, 8, 131072, "kvp")
     per_layer = h * d * (32 + 2 * 8) * e + (32 * d * h + 3 * h * 14336) * e
-    assert s.weight_bytes == L * per_layer + 128256 * h * e / 8 + 128256 * h * e
+    assert s.weight_bytes == L * per_layer + 128256 * h * e + 128256 * h * e
     assert s.kv_bytes == L * 8 * (131072 // 8) * 2 * d * e and s.kvp == 8 and s.tpa == 1
     # TP only on 8 = the KV heads: everything / 8, the sequence whole on each rank (one KV head)
     s = step(C, M8, 8, 131072, "tp")

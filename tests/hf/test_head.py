@@ -27,6 +27,7 @@ def _llama(vocab: int, tied: bool, dtype=torch.float32):
 
 def head_worker() -> None:
     import treeattn.hf._head as H
+    import treeattn.parallel.vocab as VP
     from treeattn.hf._model import lm_logits
     from treeattn.hf.linear import pack_linears, packing_available
     from treeattn.ops.linear_cpu import linear_available
@@ -49,12 +50,12 @@ def head_worker() -> None:
         for rows, small in [(1, None), (5, None), (9, 64 * 4 * 3)]:  # the last: 3 rows per gather
             hidden = torch.randn(rows, 64, generator=g).to(dtype)
             if small is not None:
-                H.SMALL, old = small, H.SMALL
+                VP.SMALL, old = small, VP.SMALL
             with torch.no_grad():
                 got = lm_logits(m, hidden, None, split=True)
                 want = lm_logits(m, hidden)
             if small is not None:
-                H.SMALL = old
+                VP.SMALL = old
             assert got.shape == want.shape == (rows, vocab) and got.dtype == want.dtype, what
             if packed:  # every logit the same sum
                 assert torch.equal(got, want), f"{what} rows={rows}: {(got - want).abs().max():.3g}"

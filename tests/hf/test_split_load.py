@@ -1,7 +1,8 @@
 """A checkpoint loaded straight into its split (treeattn.hf.load_split): at p = 2 and 3, from one
 safetensors file and from a sharded checkpoint with its index, tied and untied output
 embeddings, with biases, the attention heads whole and split (tpa 2 at p = 2); every parameter bitwise what loading the whole model and splitting it
-gives, each rank reading only its shards (the bytes read counted), greedy tokens identical to
+gives, each rank reading only its shards (the bytes read counted; the embeddings and the head
+by vocabulary rows), greedy tokens identical to
 single-process transformers; a checkpoint without a tensor refused naming it; and the
 ``generate`` CLI from a directory with ``--tp 2`` against its single-process check."""
 
@@ -86,7 +87,9 @@ def split_worker(dirs: list[str], broken: str) -> None:
         for k, t in mine.items():
             assert t.dtype == want[k].dtype and torch.equal(t, want[k]), f"{d}: {k}"
         tied = m.config.tie_word_embeddings
-        assert (m.lm_head.weight is m.model.embed_tokens.weight) == tied, d
+        assert (m.lm_head.inner.weight is m.model.embed_tokens.weight) == tied, d  # this rank's rows of both
+        V = m.config.vocab_size
+        assert m.model.embed_tokens.weight.shape[0] <= -(-V // (64 * p)) * 64 < V, m.model.embed_tokens
         held = sum(t.numel() * t.element_size() for t in m.parameters())  # each tensor once
         whole = sum(t.numel() * t.element_size() for t in load_model(d)[0].parameters())
         assert read[0] == held < whole, (d, read[0], held, whole)  # only this rank's shards were read

@@ -31,6 +31,29 @@ def reference_tokens(model, ids, new=NEW):
     return out[:, ids.shape[1] :]
 
 
+def vocab_case(whole, m, p: int) -> None:
+    """The embedding table and the head by vocabulary rows (tied: one tensor), a rank's rows at
+    most ``ceil(V / 64p) * 64``; the split embedding gives the whole one's rows bit for bit, for
+    the same tokens on every rank and for each rank's own (a sequence-sharded forward)."""
+    from treeattn.parallel.tensor import sharded_tokens
+    from treeattn.parallel.vocab import VocabParallelEmbedding, VocabParallelHead
+
+    rank = dist.get_rank()
+    emb, head = m.get_input_embeddings(), m.get_output_embeddings()
+    assert isinstance(emb, VocabParallelEmbedding) and isinstance(head, VocabParallelHead), (emb, head)
+    V = whole.config.vocab_size
+    assert emb.weight.shape[0] <= -(-V // (64 * p)) * 64 < V
+    assert (head.inner.weight is emb.weight) == bool(whole.config.tie_word_embeddings)
+    ids = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        assert torch.equal(emb(ids), whole.get_input_embeddings()(ids))
+        counts = [3 + r for r in range(p)]
+        mine = torch.randint(0, V, (2, counts[rank]), generator=torch.Generator().manual_seed(rank))
+        with sharded_tokens(counts):
+            got = emb(mine)
+        assert torch.equal(got, whole.get_input_embeddings()(mine))
+
+
 def tp_worker() -> None:
     from treeattn.comm.collectives import all_gather
     from treeattn.hf import generate
@@ -41,7 +64,7 @@ def tp_worker() -> None:
     rank, p = dist.get_rank(), dist.get_world_size()
     cases = [("llama", "interleaved", "tree", None), ("qwen2", "contiguous", "ring", None),
              ("mistral", "interleaved", "tree", 16), ("gemma2", "contiguous", "tree", None),
-             ("llama", "contiguous", "ring", 16)]  # fmt: skip
+             ("llama", "contiguous", "ring", 16), ("gemma3", "interleaved", "tree", 16)]  # fmt: skip
     for i, (kind, placement, attention, chunk) in enumerate(cases):
         whole = tiny(kind)
         ref64 = copy.deepcopy(whole).double()
@@ -58,7 +81,8 @@ def tp_worker() -> None:
             assert pack_linears(m) > 0
             whole = copy.deepcopy(whole)
             pack_linears(whole)
-        L = (37, 150, 61, 90, 150)[i]
+        vocab_case(whole, m, p)
+        L = (37, 150, 61, 90, 150, 70)[i]
         ids = torch.randint(0, whole.config.vocab_size, (1, L), generator=torch.Generator().manual_seed(L))
         info = {}
         out = generate(m, ids, max_new_tokens=NEW, placement=placement, attention=attention, prefill_chunk=chunk,

@@ -126,13 +126,15 @@ def step(c: Cluster, m: Shape, n: int, seq: int, layout: str, *, batch: int = 1,
         comm += L * min(v for k, v in reduction_costs(c, out_b, lse_b, n).items() if k != "auto")
     elif layout == "kvp x tp" and kvp > 1:
         comm += L * _a2a(c, batch * hq * (d + 1) * STATE, kvp)
-    if split > 1:
-        comm += L * 2 * _ar(c, batch * h * e, n)
+    if split > 1:  # two per layer, and the vocabulary-parallel embedding's one
+        comm += (2 * L + 1) * _ar(c, batch * h * e, n)
     logits = F.ag_ring(batch * m.vocab / n * STATE, n, c.intra_alpha if n <= c.devices_per_node else c.inter_alpha,
                        1 / (c.intra_beta if n <= c.devices_per_node else c.inter_beta))  # fmt: skip
     comm += logits + (c.collective_alpha if n > 1 else 0.0)
     w_s, kv_s = w_read / bw, kv / bw + L * float(P["attn_alpha"] or 0.0)
     held = w_read + embed  # every weight a rank holds is read once a step, but the embeddings (one row each)
+    if layout == "kvp":  # the head is read by vocabulary slices but held whole (the tied table too)
+        held += head * (n - 1)
     fits = None if c.device_mem is None else held + kv <= 0.9 * c.device_mem
     return Step(layout, tpa, kvp, w_s + kv_s + comm, w_s, kv_s, comm, held, kv, fits)
 

@@ -8,7 +8,8 @@ at the same time, every step (docs/benchmarks.md §11.1).
 Slices start at multiples of 64 outputs, the packed kernel's output groups
 (:mod:`treeattn.ops.linear_cpu`), so a packed head's slice is a view of its packed stream and
 every logit is the same sum as the whole head's (bitwise). A head on oneDNN's packed layout,
-on another device, or of a single rank is run whole."""
+on another device, or of a single rank is run whole. A head :func:`treeattn.hf.tensor_parallel`
+split holds its rows only (:class:`treeattn.parallel.vocab.VocabParallelHead`) and gathers itself."""
 
 from __future__ import annotations
 
@@ -16,17 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..comm.collectives import all_gather, world
-from ..comm.shm_small import SMALL
+from ..comm.collectives import world
+from ..parallel.vocab import gather_vocab, vocab_slice
 from .linear import _ATTR
-
-_GROUP = 64  # outputs per group of the packed kernel's stream
-
-
-def _slice(n: int, rank: int, p: int) -> tuple[int, int, int]:
-    """``(lo, hi, per)``: this rank's outputs ``[lo, hi)`` of ``n``, ``per`` outputs a rank at most."""
-    per = -(-n // (_GROUP * p)) * _GROUP
-    return min(n, rank * per), min(n, (rank + 1) * per), per
 
 
 def _local(head: nn.Linear, x: Tensor, lo: int, hi: int) -> Tensor | None:
@@ -57,16 +50,9 @@ def split_head(model: nn.Module, hidden: Tensor, group) -> Tensor | None:
     if p == 1 or hidden.device.type != "cpu" or type(head) is not nn.Linear or torch.is_grad_enabled():
         return None  # (the all-gather has no backward)
     V, D = head.out_features, head.in_features
-    lo, hi, per = _slice(V, rank, p)
+    lo, hi, per = vocab_slice(V, rank, p)
     x = hidden.reshape(-1, D)
     part = _local(head, x, lo, hi)
     if part is None:
         return None
-    out = torch.empty(p, x.shape[0], per, dtype=part.dtype)
-    step = max(1, SMALL // max(1, per * part.element_size()))  # rows per gather: each through shared memory
-    for a in range(0, x.shape[0], step):
-        mine = part[a : a + step]
-        if hi - lo < per:  # the last slice, padded to the others' width
-            mine = torch.cat([mine, mine.new_zeros(mine.shape[0], per - (hi - lo))], 1)
-        out[:, a : a + step] = all_gather(mine.contiguous(), group)
-    return out.permute(1, 0, 2).reshape(*hidden.shape[:-1], p * per)[..., :V]
+    return gather_vocab(part, V, per, group).reshape(*hidden.shape[:-1], V)

@@ -203,7 +203,7 @@ def memory_plan(config, *, prompt_len: int, max_new_tokens: int, nproc: int, bat
                 dtype: torch.dtype = torch.float32, prefill_chunk: int | None = 1024,
                 n_params: int | None = None, tp: int = 1, tpa: int = 1) -> dict[str, int]:  # fmt: skip
     """Estimated bytes per rank of a generation: ``weights`` (the whole model on every rank,
-    or with ``tp`` > 1 its MLP and attention output projections split over ``tp`` ranks, as
+    or with ``tp`` > 1 its MLP, attention output projections, embeddings and head split over ``tp`` ranks, as
     :func:`treeattn.hf.tensor_parallel` splits them; ``tpa`` > 1: Q/K/V and the K/V heads
     split over ``tpa`` slices too), ``kv_cache`` (this rank's share of
     ``prompt_len + max_new_tokens`` tokens) and ``activations`` (one prefill chunk through the
@@ -217,7 +217,7 @@ def memory_plan(config, *, prompt_len: int, max_new_tokens: int, nproc: int, bat
         qkv = H * hd * (m.heads + 2 * m.kv_heads) // tpa
         split = H * hd * m.heads + m.mlp_mats * H * m.intermediate
         layer = qkv + -(-split // tp)
-        n_params = emb * (1 if m.tied else 2) + m.layers * layer
+        n_params = -(-emb * (1 if m.tied else 2) // tp) + m.layers * layer  # the vocabulary split too
     tokens = -(-(prompt_len + max_new_tokens) // (nproc // tpa)) + 16  # a slice's sequence shards
     kv = m.layers * batch * m.kv_heads // tpa * 2 * hd * tokens * es
     share = -(-prompt_len // nproc)

@@ -23,6 +23,7 @@ from safetensors import safe_open  # a dependency of transformers
 from torch import nn
 
 from ..parallel.tensor import ColumnParallel, RowParallel
+from ..parallel.vocab import VocabParallelEmbedding, VocabParallelHead
 from .tensor_parallel import tensor_parallel
 
 
@@ -60,19 +61,29 @@ def _sources(model: nn.Module) -> dict[str, tuple[str, tuple]]:
     """Each parameter's name -> (the checkpoint's tensor name, the index of this rank's part)."""
     split: dict[str, tuple[str, tuple]] = {}
     for mname, m in model.named_modules():
-        if isinstance(m, (ColumnParallel, RowParallel)):
+        if isinstance(m, (ColumnParallel, RowParallel, VocabParallelEmbedding, VocabParallelHead)):
             for local, (src, index) in m.shards().items():
                 split[f"{mname}.{local}"] = (f"{mname}.{src}", index)
     return {n: split.get(n, (n, ())) for n, _ in model.named_parameters(remove_duplicate=False)}
 
 
 def _tied(model: nn.Module) -> set[str]:
-    """Names of parameters the model ties to another (the output embedding, when tied)."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if out is None or not getattr(cfg, "tie_word_embeddings", False):
+    """Names of parameters the model ties to its input embeddings' (the output head's, when tied)."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    w = getattr(emb, "weight", None)
+    if w is None:
         return set()
-    return {f"{n}.weight" for n, m in model.named_modules() if m is out and n}
+    own = {f"{n}.weight" for n, m in model.named_modules() if m is emb}
+    return {n for n, t in model.named_parameters(remove_duplicate=False) if t is w and n not in own}
+
+
+def _retie(model: nn.Module) -> None:
+    """Tie the output head to the loaded input embeddings again (a split head by its rows)."""
+    head = model.get_output_embeddings()
+    if isinstance(head, VocabParallelHead):
+        head.inner.weight = model.get_input_embeddings().weight
+    else:
+        model.tie_weights()
 
 
 @torch.no_grad()
@@ -119,7 +130,7 @@ def load_split(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
                 owner, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(owner), attr, nn.Parameter(t.to(dtype).contiguous(), requires_grad=False))
     if tied:
-        model.tie_weights()
+        _retie(model)
     left = [n for n, t in model.named_parameters() if t.device.type == "meta"]
     if left:
         raise ValueError(f"{d}: no weights in the checkpoint for {', '.join(left[:5])}")

@@ -3,10 +3,11 @@ model keeps no distributed code): in every decoder layer the gated MLP's ``gate_
 ``up_proj`` column parallel and its ``down_proj`` row parallel, the attention's ``o_proj`` row
 parallel over whole query heads, each followed by one all-reduce (:mod:`treeattn.parallel.tensor`);
 BLOOM's and MPT's layers alike under their own names (``_LAYOUTS``).
-Norms, residuals, the embeddings and Q/K/V stay whole on every rank; every rank computes every
-head's attention over its own shard of the sequence (Tree or Ring across the shards, as
-without this), then multiplies its heads' slice of the output projection. The LM head is
-already split over the vocabulary (:mod:`treeattn.hf._head`).
+The embedding table and the LM head are split by vocabulary rows (one tensor when tied:
+:mod:`treeattn.parallel.vocab`). Norms, residuals and Q/K/V stay whole on every rank (Q/K/V
+split too with ``tpa``); every rank computes every head's attention over its own shard of the
+sequence (Tree or Ring across the shards, as without this), then multiplies its heads' slice of
+the output projection.
 
 So each rank reads 1/p of the MLP and output projection weights per step (SmolLM2-135M: 71 %
 of a layer's weights) and holds 1/p of them. Sizes that don't divide split unevenly (SmolLM2's
@@ -26,6 +27,7 @@ from ..comm.collectives import world
 from ..comm.validate import agree
 from ..parallel.mesh import Mesh, make_mesh, mesh_problem
 from ..parallel.tensor import ColumnParallel, RowParallel, Tokens, split
+from ..parallel.vocab import VocabParallelEmbedding, VocabParallelHead, vocab_slice
 
 _MARK = "_treeattn_tensor_parallel"  # the model attribute: the ranks it is split over
 _MESH = "_treeattn_mesh"  # the model attribute: its Mesh
@@ -144,7 +146,8 @@ def tensor_parallel(model: nn.Module, group: dist.ProcessGroup | None = None, tp
         err = _qkv_problem(model)
     agree({"layers": len(_layers(model)) if err is None else -1, "hidden_size": c.hidden_size,
            "intermediate_size": getattr(c, "intermediate_size", -1), "num_attention_heads": hq,
-           "head_dim": hd, "tpa": tpa if type(tpa) is int else -1}, err, group=group)  # fmt: skip
+           "head_dim": hd, "tpa": tpa if type(tpa) is int else -1, "vocab_size": c.vocab_size}, err,
+          group=group)  # fmt: skip
     if p == 1:
         return model
     mesh = make_mesh(group, tpa, "cuda" if next(model.parameters()).device.type == "cuda" else "cpu")
@@ -172,9 +175,30 @@ def tensor_parallel(model: nn.Module, group: dist.ProcessGroup | None = None, tp
         cuts, j, base = mesh.head_cuts(hq), mesh.seq_rank, q_lo * hd
         setattr(attn, lay.out, RowParallel(getattr(attn, lay.out), base + cuts[j] * hd, base + cuts[j + 1] * hd,
                                            group, sliced=True, base=base))  # fmt: skip
+    _split_vocab(model, group, rank, p)
     setattr(model, _MARK, p)
     setattr(model, _MESH, mesh)
     return model
+
+
+def _split_vocab(model: nn.Module, group, rank: int, p: int) -> None:
+    """The embedding table and the LM head by vocabulary rows over the ranks (one tensor when
+    tied); either stays whole where it is not a plain ``nn.Embedding`` (or a scaled one, as
+    Gemma-3's) / ``nn.Linear``."""
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and emb is not None and getattr(head, "weight", None) is emb.weight
+    scaled = type(emb).__name__.endswith("ScaledWordEmbedding") and hasattr(emb, "embed_scale")  # Gemma-3's
+    ok_emb = isinstance(emb, nn.Embedding) and emb.max_norm is None and (type(emb) is nn.Embedding or scaled)
+    ok_emb = ok_emb and not (tied and type(head) is not nn.Linear)  # (a tied head kept whole keeps the table)
+    if ok_emb:
+        lo, hi, _ = vocab_slice(emb.num_embeddings, rank, p)
+        model.set_input_embeddings(VocabParallelEmbedding(emb, lo, hi, group))
+    if type(head) is nn.Linear:
+        lo, hi, per = vocab_slice(head.out_features, rank, p)
+        new = VocabParallelHead(head, lo, hi, per, group, model.get_input_embeddings().weight if tied else None)
+        name = next(n for n, m in model.named_children() if m is head)
+        setattr(model, name, new)
+
 
 
 def _qkv_problem(model: nn.Module) -> str | None:
