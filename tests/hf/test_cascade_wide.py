@@ -16,7 +16,7 @@ import treeattn.hf._cascade as C
 import treeattn.ops._prefill_cpu as T
 from reference import assert_within_tolerance
 from treeattn.ops._decode_cpu import kernel_features
-from treeattn.ops.attention import _attention
+from treeattn.ops.attention import attention_state
 
 pytestmark = pytest.mark.skipif(
     "prefill512" not in kernel_features(), reason="the prefill kernel needs AVX-512 and a C compiler"
@@ -89,7 +89,7 @@ def test_non_finite_values_read_give_the_decode_paths_result(monkeypatch):
     g.cache.v[0][0, 1, 123, 5] = float("nan")
     out, lse = C.prefix_state(q, g, 0, None, 0.125, None, 0, S, wide=True)
     assert taken == [m]  # the kernel ran; its result was not taken
-    ro, rl = _attention(q, k, v, scale=0.125, keep_fp32=True)
+    ro, rl = attention_state(q, k, v, scale=0.125, keep_fp32=True)
     torch.testing.assert_close(out, ro, equal_nan=True, rtol=0, atol=0)
     torch.testing.assert_close(lse, rl, equal_nan=True, rtol=0, atol=0)
     assert bool(out[:, 3:6, :, 5].isnan().all()) and int(out.isnan().sum()) == 3 * m  # KV head 1's query heads, dim 5
@@ -124,7 +124,7 @@ def test_a_row_whose_every_key_scores_minus_inf_gets_nan_as_on_the_decode_path(m
     start[0, 0] = S - 1  # token 0 sees only that key: PyTorch's softmax gives NaN, the kernel (0, -inf)
     out, lse = C.prefix_state(q, g, 0, start, 0.125, None, 0, S, wide=True)
     assert taken == [m]  # the kernel ran; its result was not taken
-    ro, rl = _attention(q, k, v, scale=0.125, kv_start=start, keep_fp32=True)
+    ro, rl = attention_state(q, k, v, scale=0.125, kv_start=start, keep_fp32=True)
     torch.testing.assert_close(out, ro, equal_nan=True, rtol=0, atol=0)
     torch.testing.assert_close(lse, rl, equal_nan=True, rtol=0, atol=0)
     assert bool(lse[:, :, 0].isnan().all()) and not bool(lse[:, :, 1:].isnan().any())

@@ -1,4 +1,4 @@
-"""The draft-length policy of speculative decoding (treeattn.hf._draft_policy), simulated:
+"""The draft-length policy of speculative decoding (treeattn.hf.draft_policy), simulated:
 whatever the true acceptance rate and the true cost of a wider step, adaptive drafting
 commits tokens at least 98 % as fast as plain decoding, and where drafts are good and wide
 steps cheap it is far faster; short n-gram matches are not trusted until they pay."""
@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from treeattn.hf._draft_policy import DraftPolicy, evidence
+from treeattn.hf.draft_policy import DraftPolicy, evidence
 from treeattn.hf.prompt_lookup import Draft, PromptLookup, _cut, _trie
 
 

@@ -258,13 +258,13 @@ def test_auto_picks_decode_cpu_for_decode_shapes():
 
 
 def test_dense_mask_not_taken():
-    from treeattn.ops.attention import _attention
+    from treeattn.ops.attention import attention_state
 
     q, k, v = make(1, 2, 2, 2, 40, 32, torch.float32)
     mask = torch.rand(1, 2, 40) > 0.3
     with pytest.raises(ValueError, match="no dense mask"):
-        _attention(q, k, v, mask=mask, backend="decode_cpu")
-    out, lse = _attention(q, k, v, mask=mask, backend="auto")  # auto routes around it
+        attention_state(q, k, v, mask=mask, backend="decode_cpu")
+    out, lse = attention_state(q, k, v, mask=mask, backend="auto")  # auto routes around it
     assert_within_tolerance(out, lse, q, k, v, mask=mask)
 
 

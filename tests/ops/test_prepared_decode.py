@@ -1,5 +1,5 @@
-"""prepare_decode: _attention's decode_cpu call with the rows' bounds worked out once, run on
-other q/k/v of the same shapes (a batched step's layers), gives _attention's bits, and the
+"""prepare_decode: attention_state's decode_cpu call with the rows' bounds worked out once, run on
+other q/k/v of the same shapes (a batched step's layers), gives attention_state's bits, and the
 torch kernel's result within rounding (the bounds are right)."""
 
 import itertools
@@ -7,7 +7,7 @@ import itertools
 import torch
 
 from treeattn.ops._bounds import prepare_decode
-from treeattn.ops.attention import _attention
+from treeattn.ops.attention import attention_state
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16]
 
@@ -40,17 +40,17 @@ def test_prepared_decode_call_is_attentions():
         assert call is not None
         for layer in range(2):  # other tensors of the same shapes: the step's later layers
             q, k, v = _qkv(B, Hq, Hkv, Tq, S, 64, dtype, 2 + layer)
-            want = _attention(q, k, v, scale=0.125, softcap=cap, keep_fp32=True, backend="decode_cpu", **kw)
+            want = attention_state(q, k, v, scale=0.125, softcap=cap, keep_fp32=True, backend="decode_cpu", **kw)
             got = call(q, k, v, 0.125, keep_fp32=True)
             for x, y in zip(got, want, strict=True):
                 assert x.dtype == y.dtype and torch.equal(x, y), (B, Hq, Tq, how, dtype, cap)
-            ref = _attention(q, k, v, scale=0.125, softcap=cap, keep_fp32=True, backend="torch", **kw)  # another kernel
+            ref = attention_state(q, k, v, scale=0.125, softcap=cap, keep_fp32=True, backend="torch", **kw)  # another kernel
             tol = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2}[dtype]
             for x, y in zip(got, ref, strict=True):
                 assert torch.equal(torch.isneginf(x), torch.isneginf(y))  # rows that see no key
                 torch.testing.assert_close(x.nan_to_num(0, 0, 0), y.nan_to_num(0, 0, 0), atol=tol, rtol=tol)
             got = call(q, k, v, None)  # the default scale, q's dtype out
-            want = _attention(q, k, v, softcap=cap, backend="decode_cpu", **kw)
+            want = attention_state(q, k, v, softcap=cap, backend="decode_cpu", **kw)
             assert all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(got, want, strict=True))
             ran += 1
     assert ran == 3 * len(bounds) * len(DTYPES) * 2 * 2

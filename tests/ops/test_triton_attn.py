@@ -87,11 +87,11 @@ def test_windows_softcap_head_dims(dev, variant, shape, mode, cap):
 
 def test_prefill_rows_per_row_bounds(dev):
     """A causal prefill block as one call: 96 query rows (many row blocks), per-row kv_end."""
-    from treeattn.ops.attention import _attention
+    from treeattn.ops.attention import attention_state
 
     q, k, v = make(1, 6, 2, 96, 96, 64, torch.float32)
     end = (torch.arange(96) + 1).view(1, 96)
-    out, lse = _attention(*on(dev, q, k, v), kv_end=end.to(dev), backend="triton", keep_fp32=True)
+    out, lse = attention_state(*on(dev, q, k, v), kv_end=end.to(dev), backend="triton", keep_fp32=True)
     check(out.cpu(), lse.cpu(), q, k, v, causal=True)
 
 
@@ -229,13 +229,13 @@ def test_launch_key_follows_what_triton_specializes():
 def test_output_in_q_dtype_is_the_rounded_float32(dev):
     """An output in q's dtype is the float32 result rounded to nearest even (the interpreter,
     which truncates to bfloat16, casts in torch), with or without the merge."""
-    from treeattn.ops.attention import _attention
+    from treeattn.ops.attention import attention_state
 
     for S in (100, 700):
         q, k, v = on(dev, *make(2, 8, 2, 1, S, 64, torch.bfloat16))
         lens = torch.tensor([S, 3], device=dev)
         out, lse = attention_with_lse(q, k, v, kv_lens=lens, backend="triton", check=False)
-        full, lse32 = _attention(q, k, v, kv_lens=lens, backend="triton", keep_fp32=True)
+        full, lse32 = attention_state(q, k, v, kv_lens=lens, backend="triton", keep_fp32=True)
         assert out.dtype == torch.bfloat16 and torch.equal(out, full.to(torch.bfloat16)) and torch.equal(lse, lse32)
 
 

@@ -7,7 +7,7 @@ import torch
 
 from reference import max_err
 from treeattn import attention_with_lse
-from treeattn.ops.attention import _attention
+from treeattn.ops.attention import attention_state
 
 
 def make(B, Hq, Hkv, Tq, S, D, dtype=torch.float32, seed=0):
@@ -158,7 +158,7 @@ def test_internal_kv_end_and_mask():
     vis = (j >= st[:, :, None]) & (j < end[:, :, None]) & m
     for backend in ("torch", "flash_cpu"):
         for cap in (None, 4.0):
-            out, lse = _attention(q, k, v, kv_start=st, kv_end=end, mask=m, softcap=cap, backend=backend)
+            out, lse = attention_state(q, k, v, kv_start=st, kv_end=end, mask=m, softcap=cap, backend=backend)
             # reference: dense mask [B, Tq, S]
             qd, kd, vd = q.double(), k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1)
             s = (qd @ kd.transpose(-1, -2)) * 16**-0.5

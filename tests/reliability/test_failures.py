@@ -123,7 +123,7 @@ def stall_worker(outdir: str) -> None:
         g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in node_groups(None, Topology(1))
     ]
     scenarios = [  # (name, stalled rank, module and function that stall, call)
-        ("tree allreduce2", 0, tree_mod, "_attention",
+        ("tree allreduce2", 0, tree_mod, "attention_state",
          lambda: treeattn.tree_decode(q, k, v, group=sub[0], strategy="allreduce2")),
         # the ring posts its first transfer before its own block's attention: stall before the post
         ("ring", 1, ring_mod, "sendrecv", lambda: treeattn.ring_decode(q, k, v, group=sub[1])),
@@ -228,7 +228,7 @@ def kill_worker(kind: str, outdir: str) -> None:
     rank = dist.get_rank()
     q, k, v = _data(rank)
     mod, fn, call = (  # the ring posts its transfer before its own block's attention: die before the post
-        (tree_mod, "_attention", lambda: treeattn.tree_decode(q, k, v, strategy="allgather"))
+        (tree_mod, "attention_state", lambda: treeattn.tree_decode(q, k, v, strategy="allgather"))
         if kind == "tree"
         else (ring_mod, "sendrecv", lambda: treeattn.ring_decode(q, k, v))
     )

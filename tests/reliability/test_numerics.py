@@ -285,7 +285,7 @@ def million(rank: int, p: int) -> dict:
     """B=1, Hq=4, Hkv=2, D=64, bfloat16, MILLION / p keys per rank. Rank 0 computes the float64
     reference shard by shard, in chunks, and plain bfloat16 PyTorch over the whole context."""
     from reference import naive_attention
-    from treeattn.ops.attention import _attention
+    from treeattn.ops.attention import attention_state
     from treeattn.ops.state import merge_states
 
     n = MILLION // p
@@ -303,7 +303,7 @@ def million(rank: int, p: int) -> dict:
             ks.append(kr)
             vs.append(vr)
             for s0 in range(0, n, 1 << 16):  # float64 reference in chunks of 64k keys
-                st = _attention(q.double(), kr[:, :, s0 : s0 + (1 << 16)].double(), vr[:, :, s0 : s0 + (1 << 16)].double(), backend="torch")  # fmt: skip
+                st = attention_state(q.double(), kr[:, :, s0 : s0 + (1 << 16)].double(), vr[:, :, s0 : s0 + (1 << 16)].double(), backend="torch")  # fmt: skip
                 ref = st if ref is None else merge_states(*ref, *st)
         kall, vall = torch.cat(ks, 2), torch.cat(vs, 2)
         del ks, vs

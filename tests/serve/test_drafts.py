@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from treeattn.hf._draft_policy import _PROBE  # noqa: E402
+from treeattn.hf.draft_policy import PROBE  # noqa: E402
 from treeattn.hf.presets import build_model  # noqa: E402
 from treeattn.hf.speculative import DraftModel  # noqa: E402
 from treeattn.serve.drafts import MODEL, BatchDrafts, DraftPool, RowDrafts  # noqa: E402
@@ -40,8 +40,8 @@ def test_choose_weighs_step_costs_acceptance_and_drafting_time():
     assert b.choose(2, [(m, 5, MODEL)]) == [0]
     # a kind given up on gets a one-token probe now and then; a draft model too expensive to
     # catch up with does not
-    assert [1] in [b.choose(2, [(weak, 5, 3)]) for _ in range(_PROBE + 1)]
-    assert all(b.choose(2, [(m, 5, MODEL)]) == [0] for _ in range(3 * _PROBE))
+    assert [1] in [b.choose(2, [(weak, 5, 3)]) for _ in range(PROBE + 1)]
+    assert all(b.choose(2, [(m, 5, MODEL)]) == [0] for _ in range(3 * PROBE))
     # ... until its probe's cost (two drafted tokens: 2 s) is 5 % of the steps waited (0.1 s each)
     assert [1] in [b.choose(2, [(m, 5, MODEL)]) for _ in range(420)]
     b.observe_drafting(5, 0.005)  # the EMA comes back down as drafting gets cheap

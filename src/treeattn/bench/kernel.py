@@ -63,8 +63,7 @@ def _paired(f, buf: torch.Tensor, nbytes: int, reps: int) -> tuple[float, float,
 
 
 def run(a) -> int:
-    from ..ops._decode_cpu import kernel_info
-    from ..ops.attention import _attention
+    from ..ops import attention_state, kernel_info
     from ..ops.kernels import pick as _pick_backend
 
     torch.set_num_threads(1)
@@ -100,7 +99,7 @@ def run(a) -> int:
                     name, nt = (b, 1) if not b.startswith("decode_cpu_") else ("decode_cpu", a.threads)
                     torch.set_num_threads(nt)
                     t, frac, bw = _paired(
-                        lambda name=name, q=q, k=k, v=v: _attention(q, k, v, backend=name), buf, nbytes, a.reps
+                        lambda name=name, q=q, k=k, v=v: attention_state(q, k, v, backend=name), buf, nbytes, a.reps
                     )
                     torch.set_num_threads(1)
                     bws.append(bw)

@@ -12,8 +12,7 @@ import torch.distributed as dist
 from .. import comm
 from ..comm.strategies import auto_model, choose_strategy
 from ..comm.topology import Topology
-from ..ops._decode_cpu import decode_torch
-from ..ops.attention import _attention
+from ..ops import attention_state, decode_torch
 from ..parallel import ring_decode, tree_decode
 from .common import make_shard, shard_sizes, summarize, timed, timed_interleaved
 
@@ -43,9 +42,9 @@ def measure(cfg: dict, seq: int) -> tuple[list[dict], dict]:
             # float64 in chunks of keys (decode_torch): a whole float64 copy of K/V would be twice
             # their size again on this rank (the demo's 256k tokens: 8 GiB more)
             ref_o = decode_torch(q.double().reshape(B, Hkv, H // Hkv, D), *full, D**-0.5)[0].reshape(B, H, 1, -1)
-            one, _ = _attention(q, *full)
+            one, _ = attention_state(q, *full)
             tol = 2 * (one.double() - ref_o).abs().max().item() + 1e-6
-    methods = {"local": lambda: _attention(q, k, v)}
+    methods = {"local": lambda: attention_state(q, k, v)}
     for s in STRATS:
         methods[f"tree {s}"] = lambda s=s: tree_decode(q, k, v, strategy=s, check=False)
     methods["ring"] = lambda: ring_decode(q, k, v, check=False)
@@ -67,7 +66,7 @@ def measure(cfg: dict, seq: int) -> tuple[list[dict], dict]:
         )  # fmt: skip
     if cfg["single"]:
         if r == 0:
-            fn = lambda: _attention(q, *full)  # noqa: E731
+            fn = lambda: attention_state(q, *full)  # noqa: E731
             for _ in range(cfg["warmup"]):
                 fn()
             ts = []

@@ -22,7 +22,7 @@ def _heads_ok(cmd: str, heads: int, kv_heads: int) -> bool:
 
 
 def _core_demo(a: argparse.Namespace) -> int:
-    from ..ops.attention import _attention
+    from ..ops import attention_state
     from ..ops.energy import tree_reduce
     from ..ops.state import merge_states
 
@@ -39,13 +39,13 @@ def _core_demo(a: argparse.Namespace) -> int:
     v = torch.randn(1, a.kv_heads, a.seq, a.dim, generator=g).to(dtype)
     t0 = time.perf_counter()
     states = [
-        _attention(q, kc, vc) for kc, vc in zip(k.tensor_split(a.nproc, 2), v.tensor_split(a.nproc, 2), strict=True)
+        attention_state(q, kc, vc) for kc, vc in zip(k.tensor_split(a.nproc, 2), v.tensor_split(a.nproc, 2), strict=True)
     ]
     t1 = time.perf_counter()
     (out, lse), depth = tree_reduce(states, lambda x, y: merge_states(*x, *y))
     t2 = time.perf_counter()
-    ref_o, ref_l = _attention(q.double(), k.double(), v.double(), backend="torch")  # float64, chunked
-    full_o, full_l = _attention(q, k, v)
+    ref_o, ref_l = attention_state(q.double(), k.double(), v.double(), backend="torch")  # float64, chunked
+    full_o, full_l = attention_state(q, k, v)
     err = (out.to(dtype).double() - ref_o).abs().max().item()
     err_full = (full_o.double() - ref_o).abs().max().item()
     print(

@@ -209,7 +209,7 @@ def rank_model(a: argparse.Namespace, model_dir: str | None, spec: str | None = 
         torch.cuda.set_device(dev)
         model = model.to(dev)
     else:
-        from ..ops._decode_cpu import kernel_available
+        from ..ops import kernel_available
 
         kernel_available()
         if getattr(a, "linear", "torch") == "packed":
@@ -251,7 +251,7 @@ def run_ranks(cmd: str, a: argparse.Namespace, worker: Callable, prepare: Callab
     try:
         job = prepare(a)
         if a.device == "cpu":  # build (or load) the decode kernel once, before the ranks start
-            from ..ops._decode_cpu import kernel_available
+            from ..ops import kernel_available
 
             kernel_available()
         launch(worker, a.nproc, (a, job, True), threads=a.threads, timeout=timeout,

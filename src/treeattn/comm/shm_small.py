@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..ops._decode_cpu import merge_packed_cpu, shm_gather_merge
+from ..ops import merge_packed_cpu, shm_gather_merge
 from . import _pg, meter
 from .shm import _DIR, as_tensor, map_group
 

@@ -29,9 +29,7 @@ from torch import Tensor
 
 from ..cache import RowCache, ShardedKVCache
 from ..comm.strategies import reduce_states
-from ..ops._bounds import DecodeCall, prepare_decode
-from ..ops._prefill_cpu import prefill_states
-from ..ops.attention import _attention
+from ..ops import DecodeCall, attention_state, prefill_states, prepare_decode
 from ..ops.state import empty_state, merge_into
 from ..parallel import ring_decode
 from ..parallel.tree import new_token_state
@@ -217,7 +215,7 @@ def row_state(q: Tensor, k: Tensor, v: Tensor, lens: Tensor, start, scale, softc
     call = _prepared(memo, q, k, v, kv_lens=lens, kv_start=start, kv_end=end, softcap=softcap)
     if call is not None:
         return call(q, k, v, scale, keep_fp32=True)
-    return _attention(q, k, v, scale=scale, kv_lens=lens, kv_start=start, kv_end=end, softcap=softcap,
+    return attention_state(q, k, v, scale=scale, kv_lens=lens, kv_start=start, kv_end=end, softcap=softcap,
                       keep_fp32=True)  # fmt: skip
 
 
@@ -247,15 +245,15 @@ def prefix_state(q: Tensor, g: PrefixGroup, layer: int, start, scale, softcap, a
     call = _prepared(memo, q, kp, vp, kv_start=start, kv_end=end, softcap=softcap, backend=be)
     if call is not None:
         return call(q, kp, vp, scale, keep_fp32=True)
-    return _attention(q, kp, vp, scale=scale, kv_start=start, kv_end=end, softcap=softcap, keep_fp32=True,
+    return attention_state(q, kp, vp, scale=scale, kv_start=start, kv_end=end, softcap=softcap, keep_fp32=True,
                       backend=be)  # fmt: skip
 
 
 def _prepared(memo: dict | None, q: Tensor, k: Tensor, v: Tensor, **kw) -> DecodeCall | None:
-    """The decode_cpu call ``_attention`` makes for these arguments, its rows' bounds worked out
+    """The decode_cpu call ``attention_state`` makes for these arguments, its rows' bounds worked out
     at a step's first layer and kept in ``memo`` (one call site's) for the others, whose shapes and
     bounds are the same: the same kernel arguments, the same bits, without ~20 µs of checks and
-    bounds a call. None where ``_attention`` runs another kernel (or on other devices)."""
+    bounds a call. None where ``attention_state`` runs another kernel (or on other devices)."""
     if memo is None:
         return None
     if "call" not in memo:

@@ -143,7 +143,7 @@ def generate(
             ``acceptance_rates`` (per draft position) and ``target_forwards``; with
             ``adaptive_draft``, ``step_costs`` (tokens per step -> measured cost, plain = 1).
         adaptive_draft: with ``speculate``, draft only as deep as the measured step costs and
-            acceptance make worth it (:mod:`treeattn.hf._draft_policy`; none when no draft
+            acceptance make worth it (:mod:`treeattn.hf.draft_policy`; none when no draft
             promises a gain, so speculation does not cost more than it saves); False: always
             ``num_draft_tokens`` deep where a draft exists.
         draft_model: a causal LM with the target's vocabulary; it drafts on rank 0 of

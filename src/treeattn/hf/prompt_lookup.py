@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from ._draft_policy import QUOTE
+from .draft_policy import QUOTE
 
 # prompt lookup: a short match whose agreement goes on this far past one edit is a quote that resumed
 # (benchmarks/draft_replay.py's answers: from 6 on, 4 of the 7 such drafts made were rejected at
@@ -40,7 +40,7 @@ class PromptLookup:
     sequence, as transformers' ``prompt_lookup_num_tokens``, except which earlier match: the one
     whose context agrees furthest back (up to ``max_context`` tokens; the earliest among equals),
     whose continuation is the likeliest, and the draft's ``match`` is that context's length, the
-    evidence :class:`~treeattn.hf._draft_policy.DraftPolicy` weighs (an answer that quotes the
+    evidence :class:`~treeattn.hf.draft_policy.DraftPolicy` weighs (an answer that quotes the
     document matches 6 and more tokens back, a coincidental phrase 3). Where no match agrees 6
     tokens back, a match of 2 or 3 tokens whose agreement goes on past one edit (up to
     :data:`_EDIT` tokens the answer inserted, dropped or changed) to :data:`RESUMED` tokens in

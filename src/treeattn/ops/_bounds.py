@@ -1,5 +1,5 @@
 """Which keys each query row reads (``[lo, hi)`` per row from lengths, starts, ends and
-causality), which kernel :func:`~treeattn.ops.attention._attention` runs, and its decode_cpu
+causality), which kernel :func:`~treeattn.ops.attention.attention_state` runs, and its decode_cpu
 call with the rows' bounds worked out once (:func:`prepare_decode`: a batched step's layers
 share them)."""
 
@@ -13,7 +13,7 @@ from .state import empty_state
 
 
 def _backend(q, k, v, backend, mask, kv_lens, causal, kv_start, kv_end, softcap) -> str:
-    """The kernel :func:`_attention` runs for these arguments."""
+    """The kernel :func:`attention_state` runs for these arguments."""
     if backend == "auto":
         plain = kv_lens is None and kv_start is None and kv_end is None and mask is None and softcap is None
         backend = pick(q, k, v, plain=plain, causal_rows=causal and q.shape[2] > 1)
@@ -25,9 +25,9 @@ def _backend(q, k, v, backend, mask, kv_lens, causal, kv_start, kv_end, softcap)
 
 
 class DecodeCall:
-    """:func:`_attention`'s decode_cpu call with each row's keys worked out once, for calls of
+    """:func:`attention_state`'s decode_cpu call with each row's keys worked out once, for calls of
     one shape, the same bounds and softcap (the layers of a batched step): called with their q,
-    k, v, it passes the kernel the arguments :func:`_attention` would, so the bits are the same."""
+    k, v, it passes the kernel the arguments :func:`attention_state` would, so the bits are the same."""
 
     def __init__(self, n: int | None, lo: Tensor | None, hi: Tensor | None, empty: bool, softcap) -> None:
         self.n, self.lo, self.hi, self.empty, self.softcap = n, lo, hi, empty, softcap  # n: keys kept (None: all)
@@ -54,7 +54,7 @@ class DecodeCall:
 def prepare_decode(q: Tensor, k: Tensor, v: Tensor, *, kv_lens: Tensor | None = None, causal: bool = False,
                    kv_start: Tensor | None = None, kv_end: Tensor | None = None, softcap: float | None = None,
                    backend: str = "auto") -> DecodeCall | None:  # fmt: skip
-    """What :func:`_attention` (without a mask) runs for these arguments, where that is the
+    """What :func:`attention_state` (without a mask) runs for these arguments, where that is the
     decode_cpu kernel, ready for calls of the same shapes and bounds; None where it is another."""
     if _backend(q, k, v, backend, None, kv_lens, causal, kv_start, kv_end, softcap) != "decode_cpu":
         return None

@@ -13,7 +13,7 @@ from ._bounds import _backend, _decode_call, _row_bounds, _trim, one_length
 from .alibi import Alibi, check_alibi, row_bias
 from .state import empty_state
 
-__all__ = ["attention_with_lse", "check_attention_inputs", "BACKENDS"]
+__all__ = ["attention_with_lse", "attention_state", "check_attention_inputs", "BACKENDS"]
 
 Backend = Literal["auto", "torch", "flash_cpu", "decode_cpu", "fused_cuda", "triton"]
 BACKENDS: tuple[str, ...] = ("auto", "torch", "flash_cpu", "decode_cpu", "fused_cuda", "triton")
@@ -188,11 +188,11 @@ def attention_with_lse(
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     check_attention_inputs(q, k, v, kv_lens, scale=scale, kv_start=kv_start, softcap=softcap, check_values=check,
                            alibi=alibi)  # fmt: skip
-    return _attention(q, k, v, scale=scale, kv_lens=kv_lens, causal=causal, kv_start=kv_start, softcap=softcap,
+    return attention_state(q, k, v, scale=scale, kv_lens=kv_lens, causal=causal, kv_start=kv_start, softcap=softcap,
                       backend=backend, alibi=alibi)  # fmt: skip
 
 
-def _attention(
+def attention_state(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -208,7 +208,9 @@ def _attention(
     softcap: float | None = None,
     alibi: Alibi | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """:func:`attention_with_lse` without validation (callers have validated).
+    """:func:`attention_with_lse` without validation, for callers that validated (the
+    distributed ops, once per call): the one entry to the local kernels, which it chooses
+    (``backend``) and runs.
 
     ``mask``: optional bool ``[B or 1, Tq, S]``, True = visible, AND-ed with the rest.
     ``kv_end``: optional integer ``[B]`` or ``[B, Tq]``, exclusive per-query upper bound

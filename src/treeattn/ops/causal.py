@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ._prefill_cpu import prefill_states
 from ._triton_attn import triton_available
-from .attention import _attention, all_finite
+from .attention import all_finite, attention_state
 
 __all__ = ["causal_block_states", "causal_square_states"]
 
@@ -51,7 +51,7 @@ def causal_block_states(
         kw = dict(kv_end=end.to(q.device).expand(B, -1))
         if start is not None:
             kw["kv_start"] = start.to(q.device).expand(B, -1)
-        return _attention(q, k, v, scale=scale, softcap=softcap, backend="triton", keep_fp32=True, **kw)
+        return attention_state(q, k, v, scale=scale, softcap=softcap, backend="triton", keep_fp32=True, **kw)
     return None
 
 
@@ -73,7 +73,7 @@ def causal_square_states(q: Tensor, k: Tensor, v: Tensor, scale, softcap, backen
     fused = (q.device.type == "cpu" and backend in ("auto", "flash_cpu") and softcap is None
              and k.shape[3] == v.shape[3] and all_finite(k, v))  # fmt: skip
     if not fused:
-        return _attention(q, k, v, scale=scale, softcap=softcap, backend=backend, causal=True, keep_fp32=True)
+        return attention_state(q, k, v, scale=scale, softcap=softcap, backend=backend, causal=True, keep_fp32=True)
     s = q.shape[3] ** -0.5 if scale is None else float(scale)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # the kernel misreads strided rows
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True, scale=s)

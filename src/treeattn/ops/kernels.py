@@ -167,7 +167,7 @@ def pick(q: Tensor, k: Tensor, v: Tensor, *, plain: bool = False, causal_rows: b
     #   bf16   9.7-10.8  3.6-3.9  1.9-2.2  1.3-1.4  1.1-1.2  1.3-1.4  1.4-1.5
     #   (fp32 limit 16 until 2026-11-27: at 32 rows flash_cpu was ahead in every sweep then)
     #   2026-11-27, AVX-512 EPYC VM, K/V out of cache (60 MB of layers cycled, as a model's step
-    #   reads them), one thread, fp32, _attention with each backend forced:
+    #   reads them), one thread, fp32, attention_state with each backend forced:
     #     Hkv=3 D=64 G=3 S=3861 (SmolLM2's shard): rows 18 1.35, 24 1.25, 33 1.20, 48 1.06,
     #       66 0.99, 96 0.90
     #     Hkv=8 D=128 G=4 S=16k: rows 8 2.33, 16 1.61, 24 1.35, 32 1.13, 64 1.13

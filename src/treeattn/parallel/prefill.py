@@ -9,8 +9,8 @@ from torch import Tensor
 
 from ..comm.collectives import all_gather, all_to_all, world
 from ..comm.strategies import STRATEGIES, reduce_states
+from ..ops import attention_state
 from ..ops.alibi import Alibi
-from ..ops.attention import _attention
 from ..ops.causal import causal_block_states, causal_square_states
 from ..ops.state import empty_state, merge_into
 from ._common import check_window
@@ -58,7 +58,7 @@ def causal_states(
         return _biased(q, k, v, qpos, kpos, lo_pos, scale, softcap, alibi)
     if int(kpos.max()) <= int(qpos.min()) and (window is None or int(kpos.min()) > int(qpos.max()) - window):
         st = causal_block_states(q, k, v, None, None, scale, softcap, backend)  # all visible
-        return st or _attention(q, k, v, scale=scale, softcap=softcap, backend=backend, keep_fp32=True)
+        return st or attention_state(q, k, v, scale=scale, softcap=softcap, backend=backend, keep_fp32=True)
     B, G = q.shape[0], q.shape[1] // max(1, k.shape[1])
     rows = max(1, _MASK_BUDGET // (G * len(kpos)))
     ordered = len(kpos) < 2 or bool((kpos[1:] > kpos[:-1]).all())
@@ -84,7 +84,7 @@ def causal_states(
             if lo_pos is not None:
                 vis &= kpos[None, :] >= lo_pos[a : a + rows, None]
             kw = dict(mask=vis.unsqueeze(0).to(q.device))
-        parts.append(_attention(qa, k, v, scale=scale, softcap=softcap, backend=backend, keep_fp32=True, **kw))
+        parts.append(attention_state(qa, k, v, scale=scale, softcap=softcap, backend=backend, keep_fp32=True, **kw))
     if len(parts) == 1:
         return parts[0]
     return torch.cat([x[0] for x in parts], 2), torch.cat([x[1] for x in parts], 2)
@@ -103,7 +103,7 @@ def _biased(q, k, v, qpos: Tensor, kpos: Tensor, lo_pos: Tensor | None, scale, s
         if lo_pos is not None:
             vis &= kpos[None, :] >= lo_pos[a : a + rows, None]
         bias = Alibi(slopes, qa.to(q.device).expand(B, -1), kp)
-        parts.append(_attention(q[:, :, a : a + rows], k, v, scale=scale, softcap=softcap, backend="torch",
+        parts.append(attention_state(q[:, :, a : a + rows], k, v, scale=scale, softcap=softcap, backend="torch",
                                 keep_fp32=True, mask=vis.unsqueeze(0).to(q.device), alibi=bias))  # fmt: skip
     if len(parts) == 1:
         return parts[0]
@@ -145,7 +145,7 @@ def _causal_blocks(q, k, v, end: Tensor, scale, softcap, backend) -> tuple[Tenso
         qr = q[:, :, i:j]
         st = None
         if shared:
-            st = _attention(qr, k[:, :, :shared], v[:, :, :shared], scale=scale, softcap=softcap, backend=backend,
+            st = attention_state(qr, k[:, :, :shared], v[:, :, :shared], scale=scale, softcap=softcap, backend=backend,
                             keep_fp32=True)  # fmt: skip
         if tri:
             t = causal_square_states(qr, k[:, :, shared:e1], v[:, :, shared:e1], scale, softcap, backend)

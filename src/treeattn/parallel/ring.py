@@ -16,8 +16,8 @@ from torch import Tensor
 
 from ..comm.collectives import all_gather, sendrecv, world
 from ..comm.shm import shm_exchange
+from ..ops import attention_state
 from ..ops.alibi import Alibi
-from ..ops.attention import _attention
 from ..ops.state import merge_states, merge_states_n
 from ._common import validate_decode
 from .tree import new_token_state
@@ -168,10 +168,10 @@ def ring_decode(
             sb = None
             if starts is not None:
                 sb = info[src, 1 + B :].view(B, -1)
-                sb = (sb[:, 0] if kv_start.ndim == 1 else sb).to(q.device)  # _attention skips an unseen block
+                sb = (sb[:, 0] if kv_start.ndim == 1 else sb).to(q.device)  # attention_state skips an unseen block
             lb = None if bool((lb == kb.shape[2]).all()) else lb.to(q.device)  # info is on the host
         bias = None if alibi is None else alibi._replace(k_pos=kpos[src][:, : kb.shape[2]])
-        states[src] = _attention(q, kb, vb, scale=scale, kv_lens=lb, kv_start=sb, softcap=softcap, backend=backend,
+        states[src] = attention_state(q, kb, vb, scale=scale, kv_lens=lb, kv_start=sb, softcap=softcap, backend=backend,
                                  keep_fp32=True, alibi=bias)  # fmt: skip
 
     ring_pass(k, v, info[:, 0].tolist() if info is not None else [S], group, visit)

@@ -12,8 +12,8 @@ from ..comm.collectives import world
 from ..comm.scatter import reduce_scatter_heads
 from ..comm.strategies import STRATEGIES, auto_model, reduce_states
 from ..comm.topology import Topology
+from ..ops import attention_state
 from ..ops.alibi import Alibi
-from ..ops.attention import _attention
 from ..ops.state import merge_states
 from ._common import validate_decode
 
@@ -39,14 +39,14 @@ def new_token_state(
         alibi = Alibi(alibi.slopes, qp, qp)
     if new_mask is None and q.device.type == "cpu":
         lo = None if window is None else (torch.arange(Tq) - (window - 1)).clamp_min(0).expand(B, Tq)
-        return _attention(q, new_k, new_v, scale=scale, causal=True, kv_start=lo, softcap=softcap,
+        return attention_state(q, new_k, new_v, scale=scale, causal=True, kv_start=lo, softcap=softcap,
                           backend="decode_cpu", keep_fp32=True, alibi=alibi)  # fmt: skip
     if new_mask is None:
         new_mask = torch.ones(Tq, Tq, dtype=torch.bool, device=q.device).tril()
         if window is not None:
             new_mask = new_mask.triu(1 - window)
     mask = new_mask if new_mask.ndim == 3 else new_mask.unsqueeze(0)
-    return _attention(q, new_k, new_v, scale=scale, mask=mask, softcap=softcap, backend="torch", keep_fp32=True,
+    return attention_state(q, new_k, new_v, scale=scale, mask=mask, softcap=softcap, backend="torch", keep_fp32=True,
                       alibi=alibi)  # fmt: skip
 
 
@@ -153,7 +153,7 @@ def tree_decode(
     if strategy not in STRATEGIES:  # (reduce_states says so too; one rank never calls it)
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     alone = world(group)[1] == 1
-    out, lse = _attention(q, k, v, scale=scale, kv_lens=kv_lens, kv_start=kv_start, softcap=softcap,
+    out, lse = attention_state(q, k, v, scale=scale, kv_lens=kv_lens, kv_start=kv_start, softcap=softcap,
                           backend=backend, keep_fp32=not alone or new_k is not None, alibi=alibi)  # fmt: skip
     mine = slice(None)  # the heads this rank returns
     if not alone and heads is not None:

@@ -19,7 +19,7 @@ and so is a draft model's time per drafted token; rows are taken best evidence f
 row drafts ``d`` tokens only if the batch's expected tokens per second rise by
 :data:`MARGIN`. The acceptance of each request is tracked per kind of evidence (prompt
 lookup: how far back its match agrees, 1, 2, 3, 4-5 or 6 and more tokens; a draft model: one
-kind), in :class:`~treeattn.hf._draft_policy.DraftPolicy`'s counts: sceptical of matches
+kind), in :class:`~treeattn.hf.draft_policy.DraftPolicy`'s counts: sceptical of matches
 shorter than 6 tokens, recent steps weighing most, starting from what the server's earlier
 drafts did; a request that stopped drafting gets a one-token probe now and then.
 
@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from ..hf._draft_policy import _BETA0, _PROBE, DraftPolicy
+from ..hf.draft_policy import BETA0, PROBE, DraftPolicy
 from ..hf.prompt_lookup import PromptLookup
 from ..hf.speculative import DraftModel
 
@@ -256,7 +256,7 @@ class BatchDrafts:
             ref = b if hi is None else a
             return max(self.cost[ref] + slope * (n - ref), 1e-9)
         (t,) = known
-        return self.cost[t] * max(1.0 + _BETA0 * (n - t) / t, 1e-3)
+        return self.cost[t] * max(1.0 + BETA0 * (n - t) / t, 1e-3)
 
     def _probe_pays(self, rd: RowDrafts, per: float, rows: int) -> bool:
         """Whether a one-token probe is due: always for prompt lookup; for a draft model, whose
@@ -285,7 +285,7 @@ class BatchDrafts:
                 v = (tokens - 1.0 + rd.expected(kind, d)) / (self.step_cost(n + d) + drafting + d * per)
                 if v > best_v:
                     best, best_v = d, v
-            if best == 0 and cap and rd.idle + 1 >= _PROBE and self._probe_pays(rd, per, rows):
+            if best == 0 and cap and rd.idle + 1 >= PROBE and self._probe_pays(rd, per, rows):
                 best = 1  # a probe: acceptance may have changed
             rd.idle = 0 if best else rd.idle + 1
             if best:

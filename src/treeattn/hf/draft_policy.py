@@ -23,7 +23,7 @@ Both sides are measured on rank 0 as the generation runs:
   is noticed within a few steps, one that stops quoting as fast), and the prior is sceptical
   of short matches, so a match shorter than 6 tokens is drafted only after such drafts were
   seen to pay, or once wide steps were measured cheap enough for its prior. A kind
-  not drafted for a while gets a one-token probe (every :data:`_PROBE` steps at least, rarer
+  not drafted for a while gets a one-token probe (every :data:`PROBE` steps at least, rarer
   where a wide step is expensive: probes cost under 1 % of the time), so a change of regime
   is found again.
 
@@ -47,8 +47,8 @@ _DISCOUNT = 0.9  # weight of the past per observation of a kind
 # lost more than 0.013x
 _PRIOR = {1: (0.25, 4.0), 2: (0.5, 2.0), 3: (1.0, 1.5), 4: (1.0, 1.0), 6: (2.0, 1.0)}
 _MODEL_PRIOR = (1.0, 1.0)
-_BETA0 = 0.5  # prior cost of each extra token, relative to a plain step (a CPU's: see the module doc)
-_PROBE = 16  # a kind not drafted for this many steps of its evidence gets a 1-token draft
+BETA0 = 0.5  # prior cost of each extra token, relative to a plain step (a CPU's: see the module doc)
+PROBE = 16  # a kind not drafted for this many steps of its evidence gets a 1-token draft
 
 
 QUOTE = 6  # a prompt-lookup match agreeing this far back: a quote (the last bucket of its evidence)
@@ -87,12 +87,12 @@ class DraftPolicy:
         """Estimated seconds of a step of ``T`` tokens, relative to a plain step (1.0)."""
         c1 = self.cost.get(1)
         if c1 is None or T == 1:
-            return 1.0 + _BETA0 * (T - 1)
+            return 1.0 + BETA0 * (T - 1)
         if T in self.cost:
             return self.cost[T] / c1
         known = sorted(t for t in self.cost if t > 1)
         if not known:
-            return 1.0 + _BETA0 * (T - 1)
+            return 1.0 + BETA0 * (T - 1)
         lo = max([t for t in known if t < T], default=1)
         hi = min([t for t in known if t > T], default=None)
         c_lo = self.cost[lo] / c1
@@ -128,11 +128,11 @@ class DraftPolicy:
         return best
 
     def _probe_every(self) -> float:
-        """Steps between one-token probes: at least :data:`_PROBE`, and enough that a probe's
+        """Steps between one-token probes: at least :data:`PROBE`, and enough that a probe's
         extra cost stays under 1 % of the time."""
         c1 = self.cost.get(1)
         extra = self.step_cost(1 + self.width) - 1.0 + (self.draft_s / c1 if c1 else 0.0)
-        return max(_PROBE, extra / 0.01)
+        return max(PROBE, extra / 0.01)
 
     # -- measurements ----------------------------------------------------------------------
     def observe_step(self, T: int, seconds: float) -> None:
