@@ -112,7 +112,7 @@ def test_predict_composes_closed_forms():
     assert predict(SIMPLE, *args, "hierarchical") == pytest.approx(ag, rel=1e-12)  # one node
     assert predict(SIMPLE, *args, "allreduce3") == pytest.approx(ar3, rel=1e-12)
     assert predict(SIMPLE, *args, "ring") == pytest.approx(ring, rel=1e-12)
-    for s in sim.STRATEGIES:
+    for s in sim.PREDICTED:
         bd = breakdown(SIMPLE, *args, s)
         assert bd["total_s"] == pytest.approx(predict(SIMPLE, *args, s), rel=1e-12)
         assert bd["compute_s"] + bd["comm_s"] == pytest.approx(bd["total_s"])
@@ -321,8 +321,8 @@ def test_cli_writes_csv_json_png_with_provenance(tmp_path, capsys):
     assert "| p | seq |" in text and "Paper headline case" in text
     with open(out / "simulate.csv") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 2 * 2 * len(sim.STRATEGIES)
-    assert {r["strategy"] for r in rows} == set(sim.STRATEGIES)
+    assert len(rows) == 2 * 2 * len(sim.PREDICTED)
+    assert {r["strategy"] for r in rows} == set(sim.PREDICTED)
     doc = json.loads((out / "simulate.json").read_text())
     prov = doc["provenance"]
     assert prov["date"] and prov["command"] and prov["args"]["preset"] == "dgx-h100"

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import treeattn.hf.linear as hl
-from treeattn.hf.linear import is_packed, pack_linears, packing_available, unpack_linears
+from treeattn.hf.linear import _ATTR, pack_linears, packing_available, unpack_linears
 from treeattn.ops.linear_cpu import linear_available, pack_weight, packed_linear
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="neither the compiled kernel nor oneDNN here")
@@ -27,6 +27,10 @@ def kernel(request, monkeypatch):
     if request.param == "onednn":
         monkeypatch.setattr(hl, "linear_available", lambda: False)
     return request.param
+
+
+def _packed(m) -> bool:
+    return hasattr(m, _ATTR)  # what pack_linears marks (unpack_linears removes)
 
 
 def _llama(tied: bool, dtype=torch.float32):
@@ -49,7 +53,7 @@ def test_packed_model_matches_and_unpacks_bitwise(tied, kernel):
     assert pack_linears(m) == linears == 2 * 7 + 1
     assert pack_linears(m) == 0  # idempotent
     up = m.model.layers[0].mlp.up_proj
-    assert is_packed(up) and is_packed(m.lm_head)
+    assert _packed(up) and _packed(m.lm_head)
     assert (up.weight.is_mkldnn, up.weight.ndim) == ((False, 1) if kernel == "treeattn" else (True, 2))
     assert (m.lm_head.weight.ndim == 2 and not m.lm_head.weight.is_mkldnn) is tied  # a tied head stays dense
     assert (m.lm_head.weight is m.model.embed_tokens.weight) is tied
@@ -62,7 +66,7 @@ def test_packed_model_matches_and_unpacks_bitwise(tied, kernel):
     assert emb.grad is not None and torch.isfinite(emb.grad).all()
     assert unpack_linears(m) == linears
     assert not any(p.is_mkldnn or p.ndim == 1 and p.numel() > 96 for p in m.parameters())
-    assert not any(is_packed(x) for x in m.modules())
+    assert not any(_packed(x) for x in m.modules())
     after = m.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
     with torch.no_grad():
@@ -96,7 +100,7 @@ def test_a_row_does_not_depend_on_its_batch(threads, kernel):
 
 def test_other_dtypes_and_devices_are_left_alone():
     m = _llama(False, torch.float64)
-    assert pack_linears(m) == 0 and not any(is_packed(x) for x in m.modules())
+    assert pack_linears(m) == 0 and not any(_packed(x) for x in m.modules())
     assert pack_linears(nn.Sequential(nn.Linear(4, 4).to(torch.bfloat16))) == 0
     assert pack_linears(nn.Sequential(nn.Linear(4, 4, device="meta"))) == 0
 
@@ -109,7 +113,7 @@ def test_cli_linear_flag(flag, packed):
     add_model_args(ap)
     a = ap.parse_args(["--preset", "tiny-llama", *flag])
     model, _ = rank_model(a, None)
-    assert any(is_packed(m) for m in model.modules()) is packed
+    assert any(_packed(m) for m in model.modules()) is packed
 
 
 @pytest.mark.skipif(not linear_available(), reason="no AVX-512 C kernel here")

@@ -51,10 +51,6 @@ class Placement:
         i = torch.arange(L)
         return i[(i // self.block) % self.p == rank]
 
-    def prompt_counts(self, lens: torch.Tensor, L: int) -> torch.Tensor:
-        """``[B, p]`` valid tokens per rank of prompts of lengths ``lens`` padded to ``L``."""
-        return torch.stack([(self.prompt_positions(r, L)[None, :] < lens[:, None]).sum(1) for r in range(self.p)], 1)
-
     def decode_owner(self, pos: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Owner rank ``[B]`` of the tokens at positions ``pos [B]`` given ``counts [B, p]``."""
         if self.kind == "interleaved":

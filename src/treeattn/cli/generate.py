@@ -28,7 +28,7 @@ from .model import (
 
 
 @dataclass
-class Job:
+class Prepared:
     """What every rank needs, prepared once (in the launcher, or on each rank under torchrun)."""
 
     model_dir: str | None
@@ -70,7 +70,7 @@ def _tokenize(a, tok) -> torch.Tensor:
     return tok(text, return_tensors="pt").input_ids
 
 
-def prepare(a: argparse.Namespace) -> Job:
+def prepare(a: argparse.Namespace) -> Prepared:
     """Resolve the model, build the prompt and check that it fits, before any rank starts work
     (under torchrun: on every rank)."""
     if a.system is not None and not a.chat:
@@ -134,7 +134,7 @@ def prepare(a: argparse.Namespace) -> Job:
         what = "--speculate" if a.speculate else "--penalty-alpha"
         raise UsageError(f"{what} decodes one sequence (batch 1), got a batch of {ids.shape[0]}")
     draft_dir = check_draft_model(a, text_cfg, model_dir) if a.speculate == "draft" else None
-    return Job(model_dir, ids, new, tok is not None, notes, draft_dir)
+    return Prepared(model_dir, ids, new, tok is not None, notes, draft_dir)
 
 
 def _check_fit(a, cfg, L: int, new: int, batch: int) -> None:
@@ -164,7 +164,7 @@ def _check_fit(a, cfg, L: int, new: int, batch: int) -> None:
         )
 
 
-def worker(a: argparse.Namespace, job: Job, local: bool) -> None:
+def worker(a: argparse.Namespace, job: Prepared, local: bool) -> None:
     from ..cache import auto_block
     from ..hf.generate import generate
 

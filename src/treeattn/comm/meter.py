@@ -33,11 +33,6 @@ class CommMeter:
         """Number of collective calls (p2p sends/receives are not collectives)."""
         return sum(n for op, n in self.calls.items() if op not in ("send", "recv"))
 
-    def reset(self) -> None:
-        self.calls.clear()
-        self.by_label.clear()
-        self.bytes_sent = self.bytes_recv = 0
-
     def record(self, op: str, sent: float, recv: float, label: str | None = None) -> None:
         self.calls[op] += 1
         self.bytes_sent += round(sent)

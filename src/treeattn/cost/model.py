@@ -33,8 +33,9 @@ from typing import Any
 
 from . import formulas as F
 
-#: Predicted methods: the tree strategies, Ring Attention, and local attention only.
-STRATEGIES: tuple[str, ...] = ("local", "allreduce3", "allreduce2", "allgather", "hierarchical", "auto", "ring")
+#: What :func:`predict` times: the local step alone, each Tree reduction, ``auto`` and Ring (the
+#: reductions alone are :data:`TREE_STRATEGIES`; the API's choices are ``treeattn.config.STRATEGIES``).
+PREDICTED: tuple[str, ...] = ("local", "allreduce3", "allreduce2", "allgather", "hierarchical", "auto", "ring")
 TREE_STRATEGIES: tuple[str, ...] = ("allreduce3", "allreduce2", "allgather", "hierarchical")
 #: ``auto``'s tie-break: fewest collectives first.
 PREFERENCE: tuple[str, ...] = ("allgather", "hierarchical", "allreduce2", "allreduce3")
@@ -278,8 +279,8 @@ def step_time(
 ) -> Any:  # fmt: skip
     """Seconds of one decode step (float or :class:`Lin`), parameters ``P`` in linear form.
     ``ranks_per_node``: the layout (default: ranks fill the cluster's nodes in order)."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if strategy not in PREDICTED:
+        raise ValueError(f"strategy must be one of {PREDICTED}, got {strategy!r}")
     check_shape(p, seq, batch, heads, kv_heads, head_dim, dtype_bytes)
     if ranks_per_node is None:
         r, nodes = c.placement(p)
@@ -340,7 +341,7 @@ def predict(
         p: ranks the KV cache is sharded over; seq: total context tokens.
         batch, heads, kv_heads, head_dim: query batch, query heads, K/V heads, head size.
         dtype_bytes: bytes per K/V element (2 for bf16).
-        strategy: one of :data:`STRATEGIES`.
+        strategy: one of :data:`PREDICTED`.
         ranks_per_node: the node layout; default: ranks fill ``cluster``'s nodes in order.
 
     Raises:

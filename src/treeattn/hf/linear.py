@@ -54,11 +54,6 @@ def packing_available() -> bool:
     return linear_available() or _onednn()
 
 
-def is_packed(m: nn.Module) -> bool:
-    """Whether :func:`pack_linears` packed this layer (and :func:`unpack_linears` has not undone it)."""
-    return hasattr(m, _ATTR)
-
-
 def _dense(m: nn.Linear) -> Tensor:
     packed, shared, _, own = getattr(m, _ATTR)
     if shared:

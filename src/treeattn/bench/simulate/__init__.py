@@ -21,7 +21,7 @@ from ...cost.formulas import (
     hierarchical_allgather,
     ring_p2p_time,
 )
-from ...cost.model import DTYPE_BYTES, STATE_BYTES, STRATEGIES, TREE_STRATEGIES, Cluster, breakdown, predict
+from ...cost.model import DTYPE_BYTES, PREDICTED, STATE_BYTES, TREE_STRATEGIES, Cluster, breakdown, predict
 from ...cost.presets import PRESET_GRID, PRESETS
 from .calibrate import Calibration, calibrate, holdout_report
 from .cli import add_parser, run
@@ -34,7 +34,7 @@ __all__ = [
     "PRESETS",
     "PRESET_GRID",
     "STATE_BYTES",
-    "STRATEGIES",
+    "PREDICTED",
     "TREE_STRATEGIES",
     "Calibration",
     "Cluster",

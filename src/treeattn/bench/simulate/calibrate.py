@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ...cost.model import DTYPE_BYTES, STRATEGIES, Cluster, Lin, linear_params, predict, step_time, traced, value
+from ...cost.model import DTYPE_BYTES, PREDICTED, Cluster, Lin, linear_params, predict, step_time, traced, value
 from ...cost.presets import PRESETS
 
 
@@ -46,7 +46,7 @@ def _parse_row(row: Any) -> _Row | None:
             strategy = method[5:].strip()
         else:
             return None
-        if strategy not in STRATEGIES:
+        if strategy not in PREDICTED:
             return None
         heads = int(row["heads"])
         parsed = _Row(

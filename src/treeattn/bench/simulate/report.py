@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ...cost.model import STRATEGIES, TREE_STRATEGIES, Cluster, breakdown, predict
+from ...cost.model import PREDICTED, TREE_STRATEGIES, Cluster, breakdown, predict
 from ...cost.presets import PRESETS
 from ...cost.profile import git_commit
 from ..common import markdown
@@ -126,7 +126,7 @@ def grid(cluster: Cluster, ps: list[int], seqs: list[int], shape: dict[str, Any]
         for s in seqs:
             t: dict[str, float | None] = {}
             ring_fits = None
-            for strat in STRATEGIES:
+            for strat in PREDICTED:
                 try:
                     bd = breakdown(cluster, p, s, b, h, kvh, d, dtype_bytes, strat)
                 except ValueError:  # hierarchical with unequal nodes
@@ -145,7 +145,7 @@ def grid(cluster: Cluster, ps: list[int], seqs: list[int], shape: dict[str, Any]
             best = min(trees, key=trees.__getitem__)
             rows.append(
                 [p, f"{s:,}" + (" †" if ring_fits is False else "")]
-                + [ms(t[k]) for k in STRATEGIES]
+                + [ms(t[k]) for k in PREDICTED]
                 + [ratio(t["ring"] / t["allreduce3"]), best, ratio(t["ring"] / trees[best])]
             )
     return records, rows
@@ -158,7 +158,7 @@ def grid_text(cluster: Cluster, source: str, shape: dict[str, Any], records: lis
         f"Shape: batch {shape['batch']}, {shape['heads']} query heads / {shape['kv_heads']} K/V heads x "
         f"{shape['head_dim']}, K/V {shape['dtype']}; states reduced in float32. Times in ms per decode step.\n"
     )
-    out.append(table(["p", "seq", *STRATEGIES, "ring/allreduce3", "best tree", "ring/best"], rows))
+    out.append(table(["p", "seq", *PREDICTED, "ring/allreduce3", "best tree", "ring/best"], rows))
     if any(r["fits_memory"] is False for r in records):
         out.append(f"\n† Ring's two K/V blocks per device exceed {cluster.device_mem / 1e9:g} GB of device memory.")
     return "\n".join(out)
