@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 from .._argtypes import at_least, positive_float
+from ..dtypes import CHOICES
 from ..launch import LaunchError, launch
 from .common import markdown, provenance, read_jsonl, write_results
 
@@ -94,7 +95,7 @@ def add_parser(sub) -> None:
         p.add_argument("--quick", action="store_true", help="small preset for smoke tests (< 1 min)")
         p.add_argument("--out", default="results", help="output directory")
         p.add_argument("--nproc", type=at_least(1), nargs="+", default=[2, 4, 8], help="rank counts p to run")
-        p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="K/V dtype")
+        p.add_argument("--dtype", choices=CHOICES, default="float32", help="K/V dtype")
         p.add_argument("--threads", type=at_least(1), default=1, help="compute threads per rank")
         p.add_argument("--timeout", type=positive_float, default=7200.0, help="seconds before a launch is stopped")
         p.set_defaults(func=lambda a: _dispatch(a, name))

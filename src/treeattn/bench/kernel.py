@@ -24,6 +24,7 @@ import torch
 
 from .._argtypes import at_least
 from .._host import empty_huge, huge_page_bytes
+from ..dtypes import CHOICES
 
 K = 1024
 
@@ -165,7 +166,7 @@ def add_parser(bs) -> None:
         "--dtypes",
         nargs="+",
         default=["float32", "bfloat16"],
-        choices=["float32", "bfloat16", "float16"],
+        choices=CHOICES,
         help="K/V dtypes",
     )
     p.add_argument("--heads", nargs="+", default=["16/16", "32/8"], help="Hq/Hkv pairs")

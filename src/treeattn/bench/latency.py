@@ -12,11 +12,11 @@ import torch.distributed as dist
 from .. import comm
 from ..comm.strategies import auto_model, choose_strategy
 from ..comm.topology import Topology
+from ..dtypes import torch_dtype
 from ..ops import attention_state, decode_torch
 from ..parallel import ring_decode, tree_decode
 from .common import make_shard, shard_sizes, summarize, timed, timed_interleaved
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STRATS = ("allreduce3", "allreduce2", "allgather", "hierarchical", "auto")
 
 
@@ -26,7 +26,7 @@ def measure(cfg: dict, seq: int) -> tuple[list[dict], dict]:
     cfg keys: heads, kv_heads, dim, dtype, batch, reps, warmup, check (compare with float64
     on rank 0), single (also time single-device attention over the full context on rank 0).
     """
-    dtype = DTYPES[cfg["dtype"]]
+    dtype = torch_dtype(cfg["dtype"])
     r, p = dist.get_rank(), dist.get_world_size()
     B, H, Hkv, D = cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["dim"]
     sizes = shard_sizes(seq, p)

@@ -18,11 +18,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..dtypes import torch_dtype
 from ..parallel import ring_decode, tree_decode
 from ..parallel.ring import release_buffers
 from .common import finish_figure, make_shard, peak_memory, shard_sizes
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def predicted(method: str, p: int, seq: int, batch: int, heads: int, dim: int, elem: int) -> int:
@@ -36,7 +35,7 @@ def predicted(method: str, p: int, seq: int, batch: int, heads: int, dim: int, e
 def worker(cfg: dict, points: list[tuple[int, int, int]], out_path: str) -> None:
     """points: (seq, heads, dim). Rank 0 appends JSON lines; each value is the max over ranks."""
     r, p = dist.get_rank(), dist.get_world_size()
-    dtype = DTYPES[cfg["dtype"]]
+    dtype = torch_dtype(cfg["dtype"])
     elem = torch.finfo(dtype).bits // 8
     for seq, heads, dim in points:
         q = torch.randn(1, heads, 1, dim, generator=torch.Generator().manual_seed(0)).to(dtype)

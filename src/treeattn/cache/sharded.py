@@ -9,9 +9,8 @@ from torch import Tensor
 from .._host import empty_huge
 from ..comm.collectives import world
 from ..comm.validate import agree
+from ..dtypes import code
 from .placement import PLACEMENTS, Placement
-
-_DT = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 
 
 class ShardedKVCache:
@@ -63,7 +62,7 @@ class ShardedKVCache:
                     f"num_layers, batch, kv_heads, head_dim, block must be >= 1 and capacity >= 0, got "
                     f"{num_layers}, {batch}, {kv_heads}, {head_dim}, {block}, {capacity}"
                 )
-            if dtype not in _DT:
+            if code(dtype) is None:
                 raise ValueError(f"dtype must be a float dtype, got {dtype}")
         except ValueError as e:
             err = str(e)

@@ -10,8 +10,7 @@ import torch
 
 from .._argtypes import at_least, positive_float
 from .._host import available_memory
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from ..dtypes import CHOICES, TORCH
 
 
 def _heads_ok(cmd: str, heads: int, kv_heads: int) -> bool:
@@ -29,7 +28,7 @@ def _core_demo(a: argparse.Namespace) -> int:
     if not _heads_ok("merge-demo", a.heads, a.kv_heads):
         return 2
     torch.set_num_threads(a.threads)
-    dtype = DTYPES[a.dtype]
+    dtype = TORCH[a.dtype]
     g = torch.Generator().manual_seed(0)
     print(
         f"KV of {a.seq:,} tokens, q {a.heads} heads / kv {a.kv_heads} heads x {a.dim}, {a.dtype}, p = {a.nproc} chunks"
@@ -65,7 +64,7 @@ def _demo(a: argparse.Namespace) -> int:
 
     if not _heads_ok("demo", a.heads, a.kv_heads or a.heads):
         return 2
-    kv = a.seq * (a.kv_heads or a.heads) * a.dim * 2 * DTYPES[a.dtype].itemsize
+    kv = a.seq * (a.kv_heads or a.heads) * a.dim * 2 * TORCH[a.dtype].itemsize
     need = 4 * kv  # the shards, ring's two receive buffers per rank, rank 0's full copy for the reference
     avail = available_memory()
     if avail is not None and need > avail:
@@ -101,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-heads", type=at_least(1), default=None, help="KV heads, dividing --heads (default: --heads, MHA)"
     )
     d.add_argument("--dim", type=at_least(1), default=128, help="head dim (default 128)")
-    d.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    d.add_argument("--dtype", choices=CHOICES, default="float32")
     d.add_argument("--reps", type=at_least(1), default=10, help="timed steps per method (default 10)")
     d.add_argument("--warmup", type=at_least(0), default=2, help="untimed steps per method first (default 2)")
     d.add_argument("--threads", type=at_least(1), default=1, help="compute threads per rank (default 1)")
@@ -128,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--heads", type=at_least(1), default=8, help="query heads (default 8)")
     d.add_argument("--kv-heads", type=at_least(1), default=2, help="KV heads, dividing --heads (default 2)")
     d.add_argument("--dim", type=at_least(1), default=64, help="head dim (default 64)")
-    d.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    d.add_argument("--dtype", choices=CHOICES, default="float32")
     d.add_argument("--threads", type=at_least(1), default=1, help="compute threads (default 1)")
     d.set_defaults(func=_core_demo)
     return p

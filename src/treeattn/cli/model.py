@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from .._argtypes import at_least, positive_float
 from ..config import Layout, add_arguments, from_args
+from ..dtypes import CHOICES
 
 
 class UsageError(ValueError):
@@ -49,7 +50,7 @@ def add_model_args(g: argparse.ArgumentParser, *, cuda_graph: bool = False) -> N
                    help="with --tp split: the attention heads split over this many slices of ranks, each slice's "
                    "K/V sharded along the sequence over the other ranks (Helix's TPA x KVP; it divides the ranks and "
                    "the KV heads; default 1: every rank computes every head); auto: by the cost model")  # fmt: skip
-    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    g.add_argument("--dtype", choices=CHOICES, default="float32")
     g.add_argument("--seed", type=int, default=0,
                    help="the random weights of a --preset (generate: also sampling, --prompt-len prompts)")  # fmt: skip
     g.add_argument("--threads", type=at_least(1), default=1, help="compute threads per rank (default 1)")

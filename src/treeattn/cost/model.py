@@ -31,6 +31,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..dtypes import BYTES
 from . import formulas as F
 
 #: What :func:`predict` times: the local step alone, each Tree reduction, ``auto`` and Ring (the
@@ -39,7 +40,7 @@ PREDICTED: tuple[str, ...] = ("local", "allreduce3", "allreduce2", "allgather", 
 TREE_STRATEGIES: tuple[str, ...] = ("allreduce3", "allreduce2", "allgather", "hierarchical")
 #: ``auto``'s tie-break: fewest collectives first.
 PREFERENCE: tuple[str, ...] = ("allgather", "hierarchical", "allreduce2", "allreduce3")
-DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+DTYPE_BYTES: dict[str, int] = BYTES  # (treeattn.dtypes: the one table)
 STATE_BYTES = 4  # attention states (out, lse) are reduced in float32
 
 

@@ -15,6 +15,7 @@ from ...cost.layouts import MODELS, table
 from ...cost.model import DTYPE_BYTES, Cluster
 from ...cost.presets import PRESET_GRID, PRESETS
 from ...cost.profile import load_profile, save_profile
+from ...dtypes import CHOICES
 from ..common import provenance
 from . import report
 from .calibrate import calibrate, holdout_report
@@ -58,7 +59,7 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--batch", type=at_least(1), default=1)
     g.add_argument(
         "--dtype",
-        choices=["bfloat16", "float16", "float32"],
+        choices=CHOICES,
         default=None,
         help="K/V dtype (default bf16; local: fp32)",
     )
