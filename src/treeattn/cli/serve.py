@@ -115,7 +115,8 @@ def worker(a: argparse.Namespace, model_dir: str | None, local: bool) -> None:
         return
     import uvicorn
 
-    from ..serve.api import ServerState, build_app, generation_defaults
+    from ..serve.api import build_app, generation_defaults
+    from ..serve.state import ServerState
 
     if a.chat_template is not None and tok is not None:  # no tokenizer: chat requests get their 400 as before
         tok.chat_template = a.chat_template

@@ -37,12 +37,8 @@ JSON, so an odd character in a request never makes its error unprintable.
 from __future__ import annotations
 
 import asyncio
-import queue
 import secrets
-import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -60,34 +56,12 @@ from .schema import (
     CompletionRequest,
     check_unknown,
 )
+from .state import ServerState
 from .tokenize import add_token_routes
 
 
 def _error(status: int, message: str, type: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
     return _ErrorJSON({"error": ApiError(status, message, type, param, code).body}, status_code=status)
-
-
-@dataclass
-class ServerState:
-    """What the HTTP layer shares with rank 0's engine thread."""
-
-    model_name: str
-    tokenizer: Any
-    max_positions: int
-    vocab: int | None  # the model's vocab_size: prompt token ids lie in [0, vocab)
-    per_rank: Any  # tokens -> KV tokens per rank (Engine.per_rank)
-    cache_tokens: int
-    max_queue: int
-    eos: list[int]
-    stats: dict
-    requests: queue.Queue = field(default_factory=queue.Queue)
-    api_key: str | None = None
-    allowed_origins: tuple[str, ...] = ()  # CORS: origins browsers may call from (none: no CORS headers)
-    defaults: dict = field(default_factory=dict)  # sampling fields a request leaves out -> the model's value
-    failed: str | None = None  # why the ranks are gone (503 from then on)
-    grammars: Any = None  # the structured-output engine over the tokenizer (serve.grammar), made when first asked
-    created: int = field(default_factory=lambda: int(time.time()))
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 SAMPLING_DEFAULTS = {"temperature": (0.0, 2.0), "top_p": (1e-9, 1.0), "top_k": (-1, 2**31), "min_p": (0.0, 1.0),

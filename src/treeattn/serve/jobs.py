@@ -6,15 +6,11 @@ what is left out, the history's processors, the grammar of a ``response_format``
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from . import tools as TOOLS
 from .grammar import GrammarError, Grammars
 from .request import Request as Job
 from .schema import CHARS_PER_POSITION, ApiError, ChatRequest
-
-if TYPE_CHECKING:
-    from .api import ServerState
+from .state import ServerState
 
 
 def prompt_ids(state: ServerState, body) -> list[int]:
