@@ -153,7 +153,7 @@ class Engine:
         for row, opening, pid, keep, _, _ in p.lines:
             if opening:
                 r.open(row, None if pid < 0 else pid, keep)
-        return r.run([(x[0], x[-1]) for x in p.lines], [x[0] for x in p.lines if x[4]])
+        return r.run([(x.row, x.ids) for x in p.lines], [x.row for x in p.lines if x.full])
 
     def _send(self, t: torch.Tensor) -> torch.Tensor:
         try:

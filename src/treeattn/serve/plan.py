@@ -4,12 +4,26 @@ encoding as one int64 vector (what the broadcast carries: nothing is pickled).""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 # The most tokens a request drafts per step: a token and its draft make one line of at most
 # ``treeattn.hf.batch.PLACED_MAX`` tokens, placed as a lone decode token is (its own tokens
 # attended on their owners; its shared-prefix pass the decode path, as for every line with logits
 # at every token).
 MAX_DRAFT = 15
+
+
+class Line(NamedTuple):
+    """One line of a step's forward: the next tokens ``ids`` of row ``row``; ``open``: the row
+    starts here, after the first ``keep`` tokens of prefix ``pid`` (-1: none); ``full``: logits
+    at every token (a token and its draft), else at the last."""
+
+    row: int
+    open: int
+    pid: int
+    keep: int
+    full: int
+    ids: list[int]
 
 
 @dataclass
@@ -26,7 +40,7 @@ class Plan:
     closes: list[tuple[int, int]] = field(default_factory=list)
     drops: list[int] = field(default_factory=list)
     prefix: tuple[int, list[int]] | None = None
-    lines: list[tuple[int, int, int, int, int, list[int]]] = field(default_factory=list)
+    lines: list[Line] = field(default_factory=list)
     jobs: list = field(default_factory=list)  # rank 0 only: the job of each line
     builder: object = None  # rank 0 only: the job whose prefix chunk this is
 
@@ -64,7 +78,7 @@ class Plan:
         (n,) = take(1)
         for _ in range(n):
             row, opening, pid, keep, full, m = take(6)
-            p.lines.append((row, opening, pid, keep, full, take(m)))
+            p.lines.append(Line(row, opening, pid, keep, full, take(m)))
         if i != len(v):
             raise ValueError(f"a step plan of {len(v)} values has {len(v) - i} left over")
         return p

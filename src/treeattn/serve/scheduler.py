@@ -35,7 +35,7 @@ from ..hf.sampler import Sampler
 from .budget import KVBudget
 from .drafts import BatchDrafts, DraftPool, RowDrafts, verify
 from .job import Job, chooser
-from .plan import Plan
+from .plan import Line, Plan
 from .request import BadRequest, Request
 
 
@@ -216,7 +216,7 @@ class Scheduler(KVBudget):
             if not j.todo:  # decoding, with the draft it verifies
                 if hold:
                     continue
-                p.lines.append((j.row, 0, -1, 0, int(bool(j.draft)), [j.last, *j.draft]))
+                p.lines.append(Line(j.row, 0, -1, 0, int(bool(j.draft)), [j.last, *j.draft]))
                 p.jobs.append(j)
             elif j.todo[0][0] == "prefix":
                 if p.prefix is None:
@@ -224,7 +224,7 @@ class Scheduler(KVBudget):
             elif budget > 0:  # a chunk of a joining request's own prompt; the first always fits
                 ids = j.todo[0][1]
                 full = int(j.echo_at >= 0)  # echo with logprobs: every prompt token's logits
-                p.lines.append((j.row, int(not j.opened), -1 if j.pid is None else j.pid, j.keep, full, ids))
+                p.lines.append(Line(j.row, int(not j.opened), -1 if j.pid is None else j.pid, j.keep, full, ids))
                 p.jobs.append(j)
                 j.opened = True
                 budget -= len(ids)
@@ -253,10 +253,10 @@ class Scheduler(KVBudget):
             if not any(x[0] == "prefix" for x in j.todo):
                 self.building.pop(pid, None)
         elif p.lines and all(not j.todo for j in p.jobs):
-            self.batch_drafts.observe_step(sum(len(x[-1]) for x in p.lines), seconds)
+            self.batch_drafts.observe_step(sum(len(x.ids) for x in p.lines), seconds)
         at = 0
         for line, j in zip(p.lines, p.jobs, strict=True):
-            n = len(line[-1]) if line[4] else 1
+            n = len(line.ids) if line.full else 1
             lg, at = logits[at : at + n], at + n
             joined = bool(j.todo)
             if joined:  # a join chunk
