@@ -30,13 +30,15 @@ def main() -> None:
     ap.add_argument("--delay", type=float, default=2.0, help="seconds after the long question starts")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--prefill-chunk", type=int, default=1024, help="the server's --prefill-chunk (tokens per rank a step)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="the server's step token budget")
     a = ap.parse_args()
     import openai
 
     short, long_ = Path(a.short).read_text(), Path(a.long).read_text()
     q_short = short + "\n\nWhich license is this? Answer in one sentence."
+    budget = [] if a.max_num_batched_tokens is None else ["--max-num-batched-tokens", str(a.max_num_batched_tokens)]
     s = Server(str(smollm2_gguf()), a.nproc, "--max-batch", "4", "--cache-tokens", "20000", "--prefill-chunk",
-               str(a.prefill_chunk))  # fmt: skip
+               str(a.prefill_chunk), *budget)  # fmt: skip
     try:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key="-", max_retries=0, timeout=1200)
         first = ask(client, s.name, q_short, a.max_new_tokens)  # caches the short document
@@ -64,7 +66,8 @@ def main() -> None:
             long_ttft.append(out["long"]["ttft"])
             print(f"round {k}: idle {idle[-1]:.2f} s, during the long prefill {busy[-1]:.2f} s "
                   f"(the long question's TTFT {long_ttft[-1]:.1f} s)", flush=True)  # fmt: skip
-        print(f"\np = {a.nproc}, SmolLM2-135M float32, --prefill-chunk {a.prefill_chunk}; {Path(a.short).name} cached "
+        print(f"\np = {a.nproc}, SmolLM2-135M float32, --prefill-chunk {a.prefill_chunk}, --max-num-batched-tokens "
+              f"{a.max_num_batched_tokens}; {Path(a.short).name} cached "
               f"({cached} tokens), {Path(a.long).name} new each round; medians over {a.rounds} rounds")  # fmt: skip
         print("| TTFT of the question on the cached document | s | vs idle |")
         print("|---|---|---|")

@@ -189,6 +189,27 @@ def test_engine_no_head_of_line_blocking():
         assert _ids_of("".join(results[name])) == _reference(model, ids, 4), name
 
 
+def test_engine_step_token_budget(monkeypatch):
+    """--max-num-batched-tokens: a new document's chunks take what the decoding requests leave
+    of each step's budget (here 12 tokens beside 1 to 3 decoding rows, its own chunk size 64);
+    every answer is still transformers' alone. Refused below 1 on every rank."""
+    model = _model()
+    g = torch.Generator().manual_seed(12)
+    cached, big = (torch.randint(3, 500, (n,), generator=g).tolist() for n in (20, 90))
+    eng = Engine(model, None, dict(prefill_chunk=64), cache_tokens=400, max_batch=4, max_num_batched_tokens=12)
+    chunks, real = [], eng.runner.prefill
+    monkeypatch.setattr(eng.runner, "prefill", lambda pid, ids: chunks.append(len(ids)) or real(pid, ids))
+    _run(eng, [(cached + [7], 2)])
+    chunks.clear()
+    jobs = [(cached + [8, 9], 12), (cached + [10], 12), (big + [5, 6], 4)]
+    out = _run(eng, jobs)
+    assert sum(chunks) == len(big) + 1 and max(chunks) <= 12 and len(chunks) >= 8, chunks
+    for (ids, n), r in zip(jobs, out, strict=True):
+        assert _ids_of(r["text"]) == [t for t in _reference(model, ids, n) if t != 2], ids
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        Engine(model, None, {}, max_num_batched_tokens=0)
+
+
 def test_engine_without_prefix_cache():
     model = _model()
     engine = Engine(model, None, dict(prefill_chunk=None), cache_tokens=0)

@@ -109,7 +109,8 @@ def worker(a: argparse.Namespace, model_dir: str | None, local: bool) -> None:
         draft = rank_model(a, a.draft_dir, a.draft_model)[0]
     engine = Engine(model, None, session_kwargs(a), a.cache_tokens, max_batch=a.max_batch,
                     num_draft=a.num_draft_tokens if a.speculate else 0, fixed_draft=not a.adaptive_draft,
-                    draft_model=draft, draft_tokens=a.draft_cache_tokens)  # fmt: skip
+                    draft_model=draft, draft_tokens=a.draft_cache_tokens,
+                    max_num_batched_tokens=a.max_num_batched_tokens)  # fmt: skip
     if rank:
         engine.follow()
         return

@@ -87,6 +87,10 @@ class Serving(_Settings):
                                 "reads go first (0: no prefix cache)", low=0)  # fmt: skip
     max_batch: int = setting(8, "requests that run at once, batched into one forward per step (1: one at a time)",
                              low=1)  # fmt: skip
+    max_num_batched_tokens: int | None = setting(None, "tokens one step runs in all (vLLM's flag): a new prompt's "
+                                                 "chunk takes what the step's decoding and joining requests leave, "
+                                                 "one token per rank at least (default: --prefill-chunk per rank, "
+                                                 "whatever the others run)", low=1)  # fmt: skip
     draft_cache_tokens: int | None = setting(None, "with --draft-model: tokens its KV caches may hold in all on rank "
                                              "0, idle ones kept for later requests (default: --cache-tokens times "
                                              "the ranks, or 32768 per rank without a prefix cache)", low=1)  # fmt: skip

@@ -69,11 +69,13 @@ class Engine:
 
     def __init__(self, model, group=None, session_kw: dict | None = None, cache_tokens: int = 32768,
                  heartbeat: float = 1.0, max_batch: int = 8, num_draft: int = 0,
-                 fixed_draft: bool = False, draft_model=None, draft_tokens: int | None = None) -> None:  # fmt: skip
+                 fixed_draft: bool = False, draft_model=None, draft_tokens: int | None = None,
+                 max_num_batched_tokens: int | None = None) -> None:  # fmt: skip
         self.model, self.group, self.kw = model, group, dict(session_kw or {})
         self.draft_model = draft_model if num_draft else None
         _agree_engine(model, group, self.kw, cache_tokens, heartbeat, max_batch, num_draft, fixed_draft,
-                      self.draft_model, draft_tokens)  # fmt: skip
+                      self.draft_model, draft_tokens, max_num_batched_tokens)  # fmt: skip
+        self.max_batched = max_num_batched_tokens  # a step's tokens in all (None: no bound)
         self.vocab: int = model.config.vocab_size
         self.rank, self.p = world(group)
         self.draft_tokens = draft_tokens if draft_tokens is not None else (cache_tokens or 32768) * self.p
@@ -236,7 +238,7 @@ class Engine:
 
 
 def _agree_engine(model, group, kw, cache_tokens, heartbeat, max_batch, num_draft, fixed_draft, draft_model,
-                  draft_tokens) -> None:  # fmt: skip
+                  draft_tokens, max_batched) -> None:  # fmt: skip
     """The engine's settings checked on each rank and agreed across ``group`` (every rank's
     loop must plan alike): the same ValueError on every rank when any rank's are bad or differ."""
     err, layout, serving = None, None, None
@@ -244,7 +246,8 @@ def _agree_engine(model, group, kw, cache_tokens, heartbeat, max_batch, num_draf
         if type(num_draft) is not int or not 0 <= num_draft <= MAX_DRAFT:
             raise ValueError(f"num_draft must be an int in [0, {MAX_DRAFT}], got {num_draft!r}")
         layout = Layout(**{k: v for k, v in kw.items() if k in Layout.__dataclass_fields__})
-        serving = Serving(cache_tokens=cache_tokens, max_batch=max_batch, draft_cache_tokens=draft_tokens)
+        serving = Serving(cache_tokens=cache_tokens, max_batch=max_batch, draft_cache_tokens=draft_tokens,
+                          max_num_batched_tokens=max_batched)  # fmt: skip
         if draft_model is not None:
             dv = draft_model.config.get_text_config().vocab_size
             if dv != model.config.get_text_config().vocab_size:

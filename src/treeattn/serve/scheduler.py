@@ -228,7 +228,18 @@ class Scheduler(KVBudget):
                 p.jobs.append(j)
                 j.opened = True
                 budget -= len(ids)
+        if p.prefix is not None and self.e.max_batched:
+            self._bound_prefix(p)
         return None if p.empty() else p
+
+    def _bound_prefix(self, p: Plan) -> None:
+        """The new prefix's chunk cut to what the step's lines leave of ``--max-num-batched-tokens``
+        (one token per rank at least, so it goes on); the rest stays next in its job's items."""
+        pid, ids = p.prefix
+        room = max(self.e.p, self.e.max_batched - sum(len(x.ids) for x in p.lines))
+        if len(ids) > room:
+            p.prefix = (pid, ids[:room])
+            p.builder.todo[0:1] = [("prefix", pid, ids[:room]), ("prefix", pid, ids[room:])]
 
     def _drafts(self) -> None:
         """Each decoding request's draft for this step (none without speculation)."""
