@@ -28,7 +28,7 @@ def tiny(kind: str, dtype=torch.float32):
     return build_model(f"tiny-{kind}", None, dtype, seed=0)[0]
 
 
-def alibi_worker() -> None:
+def alibi_worker(base_named: str) -> None:
     from treeattn.hf import generate
     from treeattn.hf.tensor_parallel import tensor_parallel
 
@@ -72,11 +72,61 @@ def alibi_worker() -> None:
     assert torch.equal(generate(w64, ids, **kw), single), f"p={p} mpt contrastive search"
     with pytest.raises(ValueError, match="fused Q/K/V"):  # on every rank
         tensor_parallel(tiny("mpt"), tpa=p)
+    # a checkpoint of the base model's tensor names (bigscience's BLOOM files: "h.0...", no "transformer.")
+    from treeattn.hf import load_split
+
+    m = load_split(base_named, tpa=p)[0]
+    whole = tiny("bloom")
+    ids = torch.randint(0, 512, (1, 30), generator=torch.Generator().manual_seed(30))
+    out = generate(m, ids, max_new_tokens=NEW, stop_at_eos=False)
+    assert torch.equal(out, reference_tokens(whole, ids, NEW)), f"p={p} bloom loaded from base names"
+
+
+@pytest.fixture(scope="module")
+def base_named(tmp_path_factory) -> str:
+    """tiny-bloom saved with its base model's names, as bigscience's checkpoints are."""
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path_factory.mktemp("bloom-base-names")
+    tiny("bloom").save_pretrained(d)
+    sd = load_file(d / "model.safetensors")
+    save_file({k.removeprefix("transformer."): v for k, v in sd.items()}, d / "model.safetensors", metadata={"format": "pt"})
+    return str(d)
 
 
 @pytest.mark.parametrize("p", [2, 3])
-def test_alibi_families_match_single_process(p):
-    launch(alibi_worker, p, timeout=900)
+def test_alibi_families_match_single_process(p, base_named):
+    launch(alibi_worker, p, (base_named,), timeout=900)
+
+
+def test_bloom_slow_but_exact_and_mpt_positions():
+    """BLOOM with pretraining_tp 2 and slow_but_exact sums its output projection in slices and
+    without its bias, as transformers does; MPT takes ``max_seq_len`` positions, no more."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from treeattn.hf import Session, generate
+    from treeattn.hf.presets import PRESETS
+
+    cfg = AutoConfig.for_model("bloom", **PRESETS["tiny-bloom"][1], pretraining_tp=2, slow_but_exact=True)
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for layer in m.transformer.h:
+            layer.self_attention.dense.bias.normal_(0, 1.0)  # a bias that matters: transformers leaves it out
+    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(40))
+    info = {}
+    out = generate(m, ids, max_new_tokens=NEW, stop_at_eos=False, info=info)
+    assert torch.equal(out, reference_tokens(m, ids, NEW))
+    full = torch.cat([ids, out[:, :-1]], 1)
+    l64 = copy.deepcopy(m).double()(full).logits[:, -1]
+    e_pt = (m(full).logits[:, -1].double() - l64).abs().max().item()
+    assert (info["last_logits"].double() - l64).abs().max().item() <= 2 * e_pt + 1e-5
+    cfg = AutoConfig.for_model("mpt", **{**PRESETS["tiny-mpt"][1], "max_seq_len": 32})
+    mpt = AutoModelForCausalLM.from_config(cfg).eval()
+    with pytest.raises(ValueError, match="32 positions"):
+        generate(mpt, ids[:, :30], max_new_tokens=5)
+    with pytest.raises(ValueError, match=r"max_length must be an int in \[1, 32\]"):
+        Session(mpt, max_length=40)
 
 
 @pytest.mark.parametrize("kind", ["bloom", "mpt"])

@@ -52,6 +52,11 @@ def vocab_case(whole, m, p: int) -> None:
         with sharded_tokens(counts):
             got = emb(mine)
         assert torch.equal(got, whole.get_input_embeddings()(mine))
+        bad = ids.clone()
+        bad[1, 2] = V + 3 if rank == 0 else 5  # one rank's token outside the vocabulary, in a sharded forward
+        with pytest.raises(IndexError, match="token ids must lie in"), sharded_tokens([7] * p):
+            emb(bad)  # every rank raises (every rank sees every id): no rank is left waiting
+        assert torch.equal(emb(ids), whole.get_input_embeddings()(ids))  # the group still in step
 
 
 def tp_worker() -> None:
@@ -111,6 +116,20 @@ def tp_worker() -> None:
     ids = torch.randint(0, 512, (1, 15), generator=torch.Generator().manual_seed(3))
     kw = dict(max_new_tokens=NEW, penalty_alpha=0.6, top_k=4, stop_at_eos=False, prefill_chunk=4)
     assert torch.equal(generate(m64, ids, **kw), generate(w64, ids, **kw)), f"p={p} contrastive search"
+    # a head tied to a table that is kept whole (not a plain nn.Embedding) stays whole too
+    class Table(torch.nn.Embedding):
+        pass
+
+    w = tiny("llama")
+    table = Table(w.config.vocab_size, w.config.hidden_size)
+    table.weight = w.get_input_embeddings().weight
+    w.set_input_embeddings(table)
+    w.lm_head.weight = table.weight
+    ids = torch.randint(0, 512, (1, 20), generator=torch.Generator().manual_seed(2))
+    ref = reference_tokens(w, ids)
+    m = tensor_parallel(copy.deepcopy(w))
+    assert type(m.lm_head) is torch.nn.Linear and m.lm_head.weight is m.get_input_embeddings().weight
+    assert torch.equal(generate(m, ids, max_new_tokens=NEW, stop_at_eos=False), ref)
     # refused on every rank: a model split twice, a session over a group the model is not split over
     m = tensor_parallel(tiny("llama"))
     with pytest.raises(ValueError, match="split already"):

@@ -118,7 +118,9 @@ def prepare(a: argparse.Namespace) -> Prepared:
         raise UsageError(f"prompt token ids must lie in [0, {text_cfg.vocab_size}) (the model's vocabulary)")
     notes, new = [], a.max_new_tokens
     L = ids.shape[1]
-    max_pos = getattr(text_cfg, "max_position_embeddings", None)
+    from ..hf.families import max_positions
+
+    max_pos = max_positions(text_cfg)
     if max_pos:
         if L >= max_pos:
             raise UsageError(

@@ -42,7 +42,9 @@ def prepare(a: argparse.Namespace) -> str | None:
     if getattr(cfg, "model_type", "") in ("bloom", "mpt"):  # hf.alibi: generate runs them, the batched step not
         raise UsageError(f"{cfg.model_type}: ALiBi biases in the server's batched step are not implemented "
                          "(treeattn generate runs this model)")  # fmt: skip
-    pos = getattr(cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg, "max_position_embeddings", None)
+    from ..hf.families import max_positions
+
+    pos = max_positions(cfg)
     if a.max_model_len is not None and pos and a.max_model_len > pos:
         raise UsageError(f"--max-model-len {a.max_model_len} exceeds the model's {pos} positions")
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else a.nproc
@@ -122,7 +124,9 @@ def worker(a: argparse.Namespace, model_dir: str | None, local: bool) -> None:
     if a.chat_template is not None and tok is not None:  # no tokenizer: chat requests get their 400 as before
         tok.chat_template = a.chat_template
 
-    max_pos = getattr(model.config, "max_position_embeddings", None) or (1 << 62)
+    from ..hf.families import max_positions
+
+    max_pos = max_positions(model.config) or (1 << 62)
     if a.max_model_len is not None:
         max_pos = min(max_pos, a.max_model_len)
     defaults = generation_defaults(model) if a.generation_config == "auto" else {}

@@ -11,6 +11,7 @@ from ..comm.collectives import world
 from ..comm.validate import agree
 from ..config import ATTENTIONS, PREFILLS, Layout
 from ._model import model_problem
+from .families import max_positions
 from .tensor_parallel import tensor_parallel_ranks
 
 __all__ = ["ATTENTIONS", "PREFILLS", "agree_settings"]
@@ -27,7 +28,7 @@ def agree_settings(model: torch.nn.Module, group, *, max_length: int | None, **l
         why = model_problem(model)
         if why is not None:
             raise ValueError(why)
-        max_pos = getattr(model.config, "max_position_embeddings", None) or (1 << 62)
+        max_pos = max_positions(model.config) or (1 << 62)
         if max_length is not None and (type(max_length) is not int or not 1 <= max_length <= max_pos):
             raise ValueError(
                 f"max_length must be an int in [1, {max_pos}] (the model's max_position_embeddings), "

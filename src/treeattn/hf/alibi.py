@@ -71,13 +71,13 @@ def _bloom(self, hidden_states, residual, alibi, attention_mask, layer_past=None
     slopes = _slopes(self, lambda: alibi_slopes(self.config_heads), q.device)  # (beta is 1: prepare)
     out, _ = treeattn_attention(self, q, k, v, None, scaling=self.inv_norm_factor, treeattn_ctx=ctx, alibi=slopes)
     out = out.reshape(B, T, -1)
-    if self.pretraining_tp > 1 and self.slow_but_exact:  # as the layer sums its output projection
+    if self.pretraining_tp > 1 and self.slow_but_exact:  # as the layer sums its output projection (no bias)
         w, step = self.dense.weight, self.hidden_size / self.pretraining_tp
         y = torch.zeros_like(out)
         for i in range(self.pretraining_tp):
             a, b = int(i * step), int((i + 1) * step)
             y = y + F.linear(out[:, :, a:b], w[:, a:b])
-        out = y + self.dense.bias
+        out = y
     else:
         out = self.dense(out)
     return residual + F.dropout(out, p=self.hidden_dropout, training=self.training), None

@@ -52,7 +52,8 @@ class StepContext:
         """Decode, step: the ALiBi bias of this step's queries over the first ``S`` local slots."""
         if self.positions_here is None:  # once per step: the layers share it
             c = self.cache
-            self.positions_here = (self.q_pos.to(c.device), c.positions[:, : c.used].to(c.device))
+            self.positions_here = (self.q_pos.clone().to(c.device, non_blocking=True),
+                                   c.positions[:, : c.used].clone().to(c.device, non_blocking=True))  # fmt: skip
         qp, kp = self.positions_here
         return Alibi(slopes, qp, kp[:, :S])
 

@@ -30,6 +30,7 @@ from ._cascade import PrefixGroup, RowsStep, Shape
 from ._split import cuts, gather_rows
 from .alibi import alibi_layers
 from .attention import AttnSwitch, TreeAttnCache
+from .families import max_positions
 from .session import Session
 from .tensor_parallel import kv_heads_here, sequence_group
 
@@ -102,7 +103,7 @@ class BatchRunner:
         self.row_prefix: list[int | None] = [None] * max_batch
         self.row_ids: list[list[int]] = [[] for _ in range(max_batch)]  # the row's own token ids
         self._switch = AttnSwitch(model)
-        self.max_pos = getattr(cfg, "max_position_embeddings", None) or (1 << 62)
+        self.max_pos = max_positions(cfg) or (1 << 62)
         rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
         ropes = list(rope.values()) if rope and all(isinstance(x, dict) for x in rope.values()) else [rope]
         # the split needs every layer but attention token by token: rotary frequencies chosen by the

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["unsupported_reason", "layer_window"]
+__all__ = ["unsupported_reason", "layer_window", "max_positions"]
 
 # families whose softmax has a learned per-head "sink" logit (passed as ``s_aux``/``sinks``)
 _SINKS = {
@@ -99,3 +99,12 @@ def layer_window(module, kwargs: dict) -> int | None:
         if w is not None and types is not None and getattr(module, "layer_idx", None) is not None:
             w = w if types[module.layer_idx] == "sliding_attention" else None
     return None if w is None else int(w)
+
+
+def max_positions(config) -> int | None:
+    """The positions a model of this config takes (its text config's ``max_position_embeddings``;
+    MPT's ``max_seq_len``, where its ALiBi table ends), or None when it names none."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(cfg, "model_type", "") == "mpt":
+        return getattr(cfg, "max_seq_len", None)
+    return getattr(cfg, "max_position_embeddings", None)

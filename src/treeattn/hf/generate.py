@@ -13,6 +13,7 @@ from ..comm.validate import agree
 from ..config import Layout, Sampling, Speculation
 from ._model import checksum, model_problem, right_padded
 from .contrastive import HiddenStore, contrastive_step
+from .families import max_positions
 from .prompt_lookup import PromptLookup
 from .sampler import Sampler
 from .session import Session
@@ -185,7 +186,7 @@ def generate(
         why = model_problem(model)
         if why is not None:
             raise ValueError(why)
-        max_pos = getattr(model.config, "max_position_embeddings", None)
+        max_pos = max_positions(model.config)
         if max_pos and input_ids.shape[1] + max_new_tokens > max_pos:
             L0 = input_ids.shape[1]
             room = f"at most {max_pos - L0} new tokens" if L0 < max_pos else "a prompt shorter than that"

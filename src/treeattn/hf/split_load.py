@@ -113,7 +113,10 @@ def load_split(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
     where, tied = _checkpoint(d), _tied(model)
     params = dict(model.named_parameters(remove_duplicate=False))
     todo: dict[Path, list[tuple[str, str, tuple]]] = {}
+    prefix = f"{getattr(model, 'base_model_prefix', '')}."
     for name, (key, index) in _sources(model).items():
+        if key not in where and key.startswith(prefix) and key[len(prefix) :] in where:
+            key = key[len(prefix) :]  # a checkpoint of the base model's names (bigscience's BLOOM: "h.0....")
         if key not in where:
             if name in tied:
                 continue

@@ -193,7 +193,7 @@ def _split_vocab(model: nn.Module, group, rank: int, p: int) -> None:
     if ok_emb:
         lo, hi, _ = vocab_slice(emb.num_embeddings, rank, p)
         model.set_input_embeddings(VocabParallelEmbedding(emb, lo, hi, group))
-    if type(head) is nn.Linear:
+    if type(head) is nn.Linear and (ok_emb or not tied):  # (a head tied to a table kept whole stays whole)
         lo, hi, per = vocab_slice(head.out_features, rank, p)
         new = VocabParallelHead(head, lo, hi, per, group, model.get_input_embeddings().weight if tied else None)
         name = next(n for n, m in model.named_children() if m is head)

@@ -55,6 +55,7 @@ def causal_states(
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         return out.to(acc), lse.to(acc)
     if alibi is not None:
+        _check_slopes(alibi, q.shape[1])
         return _biased(q, k, v, qpos, kpos, lo_pos, scale, softcap, alibi)
     if int(kpos.max()) <= int(qpos.min()) and (window is None or int(kpos.min()) > int(qpos.max()) - window):
         st = causal_block_states(q, k, v, None, None, scale, softcap, backend)  # all visible
@@ -88,6 +89,12 @@ def causal_states(
     if len(parts) == 1:
         return parts[0]
     return torch.cat([x[0] for x in parts], 2), torch.cat([x[1] for x in parts], 2)
+
+
+def _check_slopes(alibi, Hq: int) -> None:
+    if not isinstance(alibi, Tensor) or not alibi.dtype.is_floating_point or tuple(alibi.shape) != (Hq,):
+        got = f"{alibi.dtype} {tuple(alibi.shape)}" if isinstance(alibi, Tensor) else type(alibi).__name__
+        raise ValueError(f"alibi must be the floating slopes [Hq]=({Hq},), got {got}")
 
 
 def _biased(q, k, v, qpos: Tensor, kpos: Tensor, lo_pos: Tensor | None, scale, softcap, slopes: Tensor):
@@ -193,7 +200,8 @@ def ring_prefill(
             keys at ``a - window < pos <= a`` (transformers' ``sliding_window``).
         softcap: attention-logit softcapping (see :func:`treeattn.attention_with_lse`).
         alibi: ALiBi slopes ``[Hq]`` (BLOOM, MPT): ``slopes[h] * (key - query position)`` added
-            to every score, on these global positions.
+            to every score, on these global positions; the same on every rank (not agreed here:
+            the caller's, as the positions).
 
     Returns:
         ``out [B, Hq, n, Dv]`` in q's dtype (and lse ``[B, Hq, n]`` float32).
@@ -204,6 +212,8 @@ def ring_prefill(
     from .ring import ring_pass
 
     check_window(window)
+    if alibi is not None:
+        _check_slopes(alibi, q.shape[1])
     rank, _ = world(group)
     qpos = (positions[rank] if q_positions is None else q_positions).to(torch.int64)
     state: list[Tensor] = []
@@ -267,6 +277,8 @@ def tree_prefill(
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     check_window(window)
+    if alibi is not None:
+        _check_slopes(alibi, q.shape[1])
     rank, p = world(group)
     B, Hq, n, _ = q.shape
     sizes = [len(x) for x in q_positions]

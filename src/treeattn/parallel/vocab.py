@@ -3,7 +3,7 @@
 
 - The embedding looks up the tokens that fall in its rows, zeros for the rest, and one
   all-reduce sums the ranks' lookups: each token's row comes from exactly one rank and every
-  other adds zeros, so the sum is that row, bit for bit. In a sequence-sharded forward
+  other adds zeros, so the sum is that row (bit for bit, but that ``-0.0`` becomes ``+0.0``). In a sequence-sharded forward
   (:func:`treeattn.parallel.tensor.sharded_tokens`) the ranks first all-gather the token ids
   and each keeps its own tokens' rows of the sum.
 - The head computes the logits of its rows and one all-gather puts the vocabulary together,
@@ -62,7 +62,10 @@ def _all_ids(ids: Tensor, sharded) -> Tensor:
 class VocabParallelEmbedding(nn.Module):
     """Rows ``[lo, hi)`` of ``embedding`` (an ``nn.Embedding``, or a subclass whose forward
     scales the rows by its ``embed_scale``, as Gemma-3's) on this rank; its forward gives every
-    token's whole row, as the embedding did (collective over ``group``)."""
+    token's whole row, as the embedding did (collective over ``group``; a ``-0.0`` in the table
+    comes back ``+0.0``, the only bits that differ). On the CPU an id outside the vocabulary
+    raises IndexError on every rank, as the embedding does; elsewhere (no host read per step)
+    it gives a row of zeros: the callers check ids first (Session, generate, the server)."""
 
     def __init__(self, embedding: nn.Embedding, lo: int, hi: int, group: dist.ProcessGroup | None) -> None:
         super().__init__()
@@ -77,6 +80,8 @@ class VocabParallelEmbedding(nn.Module):
         many = sharded is not None and len(sharded.counts) > 1
         if many:
             ids = _all_ids(ids, sharded)
+        if ids.device.type == "cpu" and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            raise IndexError(f"token ids must lie in [0, {self.num_embeddings})")  # (every rank sees every id here)
         local = ids - self.lo
         inside = (local >= 0) & (local < self.hi - self.lo)
         if self.hi > self.lo:

@@ -37,6 +37,7 @@ import time
 import torch
 
 from ..hf.draft_policy import BETA0, PROBE, DraftPolicy
+from ..hf.families import max_positions
 from ..hf.prompt_lookup import PromptLookup
 from ..hf.speculative import DraftModel
 
@@ -65,7 +66,7 @@ class DraftPool:
 
     def __init__(self, model: torch.nn.Module, tokens: int, chunk: int = 256) -> None:
         self.model, self.tokens, self.chunk = model, tokens, chunk  # chunk: prompt tokens run per step
-        self.max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None) or (1 << 62)
+        self.max_pos = max_positions(model.config) or (1 << 62)
         self.idle: list[DraftModel] = []
         self.busy: list[DraftModel] = []
 
