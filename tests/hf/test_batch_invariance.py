@@ -92,11 +92,11 @@ def test_no_token_split_where_rotary_frequencies_follow_the_input():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     kw = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=64)
-    assert BatchRunner(LlamaForCausalLM(LlamaConfig(**kw))).split_ok
+    assert BatchRunner(LlamaForCausalLM(LlamaConfig(**kw))).runner.split_ok
     for kind in ("dynamic", "longrope"):
         extra = {"original_max_position_embeddings": 64, "short_factor": [1.0] * 16, "long_factor": [2.0] * 16}
         scaling = {"rope_type": kind, "factor": 2.0, **(extra if kind == "longrope" else {})}
-        assert not BatchRunner(LlamaForCausalLM(LlamaConfig(rope_scaling=scaling, **kw))).split_ok, kind
+        assert not BatchRunner(LlamaForCausalLM(LlamaConfig(rope_scaling=scaling, **kw))).runner.split_ok, kind
 
 
 def test_a_token_and_its_longest_draft_are_one_placed_line():

@@ -123,12 +123,12 @@ def test_catching_up_takes_a_bounded_share_of_the_step():
     hist = list(range(3, 300))
     a, b = RowDrafts(4, drafters=pool), RowDrafts(4, drafters=pool)
     batch.choose(2, [])
-    assert a.draft(hist, 3, batch) == [] and len(a.model.ids) == 16 and batch.catchup_s > 0
-    batch.catchup_s = 0.001  # 1 ms a token: 5 % of a 0.2 s step is 10 tokens
+    assert a.draft(hist, 3, batch) == [] and len(a.model.ids) == 16 and batch.catchup.value > 0
+    batch.catchup.value = 0.001  # 1 ms a token: 5 % of a 0.2 s step is 10 tokens
     batch.choose(2, [])
     assert a.draft(hist, 3, batch) == [] and len(a.model.ids) == 26
     assert b.draft(hist[:200] + [5], 3, batch) == [] and len(b.model.ids) == 26  # a copy of a's; the budget is spent
-    batch.catchup_s = 1.0  # a draft model slower than the steps: no catching up at all
+    batch.catchup.value = 1.0  # a draft model slower than the steps: no catching up at all
     batch.choose(2, [])
     assert a.draft(hist, 3, batch) == [] and len(a.model.ids) == 26
     c = RowDrafts(4, drafters=pool)

@@ -274,6 +274,14 @@ class ShardedKVCache:
         self._step_slot = int(slots[0]) if one else None
         return self.owner[torch.arange(self.B), self.seq_lens - 1].to(torch.int64)
 
+    @property
+    def step_targets(self) -> tuple[Tensor, Tensor]:
+        """The decode step's ``(sequences, local slots)`` this rank stores (device int64), set by
+        :meth:`begin_decode_step`."""
+        if self._step_rows is None:
+            raise RuntimeError("step_targets before begin_decode_step")
+        return self._step_rows, self._step_slots
+
     def store_decode(self, layer: int, k: Tensor, v: Tensor) -> None:
         """Store the new token's K/V ``[B, Hkv, 1, D]`` of ``layer`` for the sequences this
         rank owns this step."""

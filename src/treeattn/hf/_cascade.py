@@ -34,6 +34,7 @@ from ..ops.state import empty_state, merge_into
 from ..parallel import ring_decode
 from ..parallel.tree import new_token_state
 from ._split import gather_qkv
+from .steps import Step, no_alibi
 
 # The prefix pass of the tokens of prompt chunks (``batch.WIDE_LINE`` tokens or more, logits at
 # the last only) runs through the prefill kernel on CPUs with AVX-512, each (query head, token)
@@ -89,8 +90,8 @@ class Shape:
 
 
 @dataclass
-class RowsStep:
-    """What the ``treeattn`` attention needs for one batched forward (mode ``"rows"``)."""
+class RowsStep(Step):
+    """A batched forward of many rows' lines over shared prefixes (see the module's text)."""
 
     rows: RowCache
     shapes: list[Shape]
@@ -99,7 +100,6 @@ class RowsStep:
     attention: str = "tree"
     strategy: str = "auto"
     group: dist.ProcessGroup | None = None
-    mode: str = "rows"
     stash: dict = field(default_factory=dict)  # layer -> (k, v) [1, Hkv, N, D] of the new tokens
     cut: list[int] | None = None  # the tokens split over the ranks (hf._split): rank r ran [cut[r], cut[r + 1])
     wide: Tensor | None = None  # [N] bool (host): the tokens whose prefix pass may take the prefill kernel
@@ -138,9 +138,14 @@ class RowsStep:
             self._win[window] = (gs, ss)
         return self._win[window]
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale, window: int | None, softcap) -> Tensor:
+    def store(self, layer: int, k: Tensor, v: Tensor) -> None:  # kept aside: placed before, or stored after
+        self.stash[layer] = (k, v)
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale, window: int | None, softcap,
+               alibi: Tensor | None = None) -> Tensor:  # fmt: skip
         """``q [1, Hq, N, D]``, the new tokens' ``k, v [1, Hkv, N, D]``; returns ``[1, Hq, N, Dv]``
         (with ``cut``: this rank's share of the tokens in, and out)."""
+        no_alibi(self, alibi)
         if self.cut is not None:
             q, k, v = gather_qkv(q, k, v, self.cut, self.group)
             self.stash[layer] = (k, v)

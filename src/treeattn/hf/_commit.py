@@ -5,6 +5,7 @@ are both runs (one sequence, a chain's prefix on this rank), else a gather and a
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from ..cache import ShardedKVCache
@@ -35,3 +36,17 @@ def _run(x: Tensor) -> bool:
     return bool((x[1:] - x[:-1] == 1).all()) if len(x) > 1 else True
 
 
+
+
+def adopt(cache: ShardedKVCache, history, ids: Tensor, kv, device) -> None:
+    """Commit ``ids [1, n]`` after a one-sequence cache's tokens, their K/V given, not run:
+    ``kv(layer)`` gives ``(k, v) [m, Hkv, D]``, the ``m`` of them this rank holds in position order."""
+    b, _, slots = cache.place(ids.shape[1])
+    bd, sd = b.to(device), slots.to(device)
+    for layer in range(cache.num_layers):
+        k, v = kv(layer)
+        if k.shape[0] != len(slots):  # the caller laid them out by another placement
+            raise RuntimeError(f"adopt: {k.shape[0]} K/V rows for this rank's {len(slots)} slots")
+        cache.store_slots(layer, bd, sd, k, v)
+    before = history.lens.clone()
+    history.commit(ids, before, torch.full_like(before, ids.shape[1]))

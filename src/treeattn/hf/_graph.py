@@ -24,8 +24,8 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
-from ._model import cache_kw, lm_logits
-from .attention import StepContext
+from ._model import lm_logits
+from .steps import Static
 
 QUANTUM = 256  # spans are multiples of this (or of an eighth of the length, when larger)
 KEEP = 8  # graphs kept (the most recent spans)
@@ -48,7 +48,7 @@ def usable(fw, hidden_store) -> bool:
 
 
 class StaticDecode:
-    """The decode step of one :class:`~treeattn.hf._forward.Forwards` with static buffers;
+    """The decode step of one :class:`~treeattn.hf.runner.ModelRunner` with static buffers;
     captured per span on CUDA when ``graphs``."""
 
     def __init__(self, fw, graphs: bool) -> None:
@@ -68,11 +68,9 @@ class StaticDecode:
 
     def _forward(self, span: int) -> Tensor:
         fw, c = self.fw, self.fw.cache
-        ctx = StepContext(c, "static", fw.attention, fw.strategy, fw.seq, kv_lens=self.meta[1:].expand(c.B),
-                          span=span, slot=self.meta[:1], pos=self.meta[0].expand(c.B))  # fmt: skip
-        fw._tc.ctx = ctx
-        hidden = fw.decoder(input_ids=self.ids, position_ids=self.meta[:1].expand(c.B, 1), **cache_kw(fw.decoder, fw._tc),
-                            use_cache=True, treeattn_ctx=ctx).last_hidden_state[:, -1]  # fmt: skip
+        step = Static(c, fw.attention, fw.strategy, fw.seq, self.meta[1:].expand(c.B), None, span=span,
+                      slot=self.meta[:1], pos=self.meta[0].expand(c.B))  # fmt: skip
+        hidden = fw.forward(step, self.ids, self.meta[:1].expand(c.B, 1))[:, -1]
         return lm_logits(fw.model, hidden)
 
     def _capture(self, span: int) -> tuple:

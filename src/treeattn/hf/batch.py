@@ -16,23 +16,20 @@ come from a plan every rank received.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ..cache import Placement, RowCache
 from ..comm.collectives import world
-from ..parallel.tensor import sharded_tokens
 from . import _model as S
 from ._cascade import PrefixGroup, RowsStep, Shape
-from ._split import cuts, gather_rows
+from ._split import cuts
 from .alibi import alibi_layers
-from .attention import AttnSwitch, TreeAttnCache
 from .families import max_positions
+from .runner import ModelRunner
 from .session import Session
-from .tensor_parallel import kv_heads_here, sequence_group
+from .tensor_parallel import kv_heads_here
 
 # Lines of at most this many tokens (decode steps, drafts to verify, short chunks) are placed
 # before the forward: each token is stored on its owner and attended there with the row's
@@ -60,13 +57,6 @@ def _group(cache, by_keep: dict[int, list[int]]) -> PrefixGroup:
     return PrefixGroup(cache, keeps, torch.tensor(tokens, dtype=torch.int64), first)
 
 
-class _Lens:
-    """What :class:`TreeAttnCache` reads of its store: layers and global lengths."""
-
-    def __init__(self, num_layers: int, seq_lens: Tensor) -> None:  # [1]: the first new position
-        self.num_layers, self.seq_lens = num_layers, seq_lens
-
-
 class BatchRunner:
     """Prefixes and running rows of one model on every rank of ``group``.
 
@@ -90,25 +80,19 @@ class BatchRunner:
         if type(max_batch) is not int or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
         self.model, self.group, self.kw = model, group, dict(session_kw)
-        self.seq = sequence_group(model, group)  # the ranks the K/V are sharded over (a mesh's KVP group)
+        self.runner = ModelRunner(model, group, attention=self.kw.get("attention", "tree"),
+                                  strategy=self.kw.get("strategy", "auto"))  # fmt: skip
+        self.seq = self.runner.seq  # the ranks the K/V are sharded over (a mesh's KVP group)
         self.rank, self.p = world(self.seq)
         cfg = model.config
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.dtype = next(model.parameters()).dtype
-        self.device = next(model.parameters()).device
-        self.decoder = model.get_decoder()
+        self.dtype, self.device = self.runner.dtype, self.runner.device
         self.rows = RowCache(cfg.num_hidden_layers, max_batch, kv_heads_here(model), hd, rank=self.rank,
                              p=self.p, dtype=self.dtype, device=self.device)  # fmt: skip
         self.prefixes: dict[int, Session] = {}
         self.row_prefix: list[int | None] = [None] * max_batch
         self.row_ids: list[list[int]] = [[] for _ in range(max_batch)]  # the row's own token ids
-        self._switch = AttnSwitch(model)
         self.max_pos = max_positions(cfg) or (1 << 62)
-        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-        ropes = list(rope.values()) if rope and all(isinstance(x, dict) for x in rope.values()) else [rope]
-        # the split needs every layer but attention token by token: rotary frequencies chosen by the
-        # longest position in the input (dynamic NTK, LongRoPE) would differ between the ranks' shares
-        self.split_ok = not any(r.get("rope_type", r.get("type")) in ("dynamic", "longrope") for r in ropes)
 
     # -- prefixes --------------------------------------------------------------------
     def prefill(self, pid: int, ids: list[int] | Tensor) -> None:
@@ -204,18 +188,13 @@ class BatchRunner:
         for (r, t), x in zip(lines, last, strict=True):
             if r not in full and len(t) >= WIDE_LINE:
                 wide[x - len(t) + 1 : x + 1] = True
-        cut = cuts(N, self.p) if self.p > 1 and self.split_ok and N >= max(SPLIT_MIN, self.p) else None
-        a, b = (cut[self.rank], cut[self.rank + 1]) if cut else (0, N)
+        cut = cuts(N, self.p) if self.p > 1 and self.runner.split_ok and N >= max(SPLIT_MIN, self.p) else None
         ctx = RowsStep(self.rows, shapes, pos, [_group(self.prefixes[pid].cache, rd) for pid, rd in reads.items()],
                        self.kw.get("attention", "tree"), self.kw.get("strategy", "auto"), self.seq, cut=cut,
                        wide=wide)  # fmt: skip
-        tc = TreeAttnCache(_Lens(self.rows.L, pos.min().reshape(1)))
-        tc.ctx = ctx
-        split = sharded_tokens([cut[r + 1] - cut[r] for r in range(self.p)], self.seq) if cut else contextlib.nullcontext()
-        with self._switch(), split:  # split: each rank runs its cut of the tokens (tensor-parallel layers gather them)
-            hidden = self.decoder(input_ids=torch.tensor([ids[a:b]], device=self.device),
-                                  position_ids=pos[None, a:b].to(self.device), **S.cache_kw(self.decoder, tc),
-                                  use_cache=True, treeattn_ctx=ctx).last_hidden_state[0]  # fmt: skip
+        back = torch.tensor(order).argsort().tolist()  # the callers' order
+        want = [range(last[i] - len(lines[i][1]) + 1, last[i] + 1) if lines[i][0] in full else [last[i]] for i in back]
+        logits = self.runner.rows(ctx, ids, pos, [x for w in want for x in w])
         for s in (s for s in shapes if s.placed is None):  # chunks: to the ranks and slots their rows give them
             i, j, slots = self.rows.place(s.rows, s.T)
             flat = s.idx[i, j].to(self.device)
@@ -226,28 +205,13 @@ class BatchRunner:
                 )
         for r, t in lines:
             self.row_ids[r].extend(t)
-        back = torch.tensor(order).argsort().tolist()  # the callers' order
-        want = [range(last[i] - len(lines[i][1]) + 1, last[i] + 1) if lines[i][0] in full else [last[i]] for i in back]
-        want = [x for w in want for x in w]
-        h = gather_rows(hidden, want, cut, self.rank, self.seq) if cut else hidden[torch.tensor(want).to(self.device)]
-        return S.lm_logits(self.model, h, self.group, split=True)
+        return logits
 
     def _key(self, row: int) -> tuple[int, int]:
         pid = self.row_prefix[row]
         return (-1, 0) if pid is None else (pid, int(self.rows.start[row]))
 
     def _adopt(self, sess: Session, row: int) -> None:
-        c, rc = sess.cache, self.rows
-        n = int(rc.n[row])
-        b, _, slots = c.place(n)
-        if len(slots) != int(rc.kv_len[row]):  # cannot happen: both follow the prefix's placement
-            raise RuntimeError("a row's layout differs from its prefix's")
-        sd = slots.to(self.device)
-        bd = b.to(self.device)
-        for layer in range(rc.L):
-            m = int(rc.kv_len[row])
-            c.store_slots(
-                layer, bd, sd, rc.k[layer][row, :, :m].transpose(0, 1), rc.v[layer][row, :, :m].transpose(0, 1)
-            )
-        before = sess.history.lens.clone()
-        sess.history.commit(torch.tensor([self.row_ids[row]]), before, torch.full_like(before, n))
+        rc, m = self.rows, int(self.rows.kv_len[row])
+        sess.adopt(torch.tensor([self.row_ids[row]]),
+                   lambda layer: (rc.k[layer][row, :, :m].transpose(0, 1), rc.v[layer][row, :, :m].transpose(0, 1)))  # fmt: skip

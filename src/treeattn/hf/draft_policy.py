@@ -9,13 +9,11 @@ best value, and nothing unless that value beats plain decoding by :data:`MARGIN`
 Both sides are measured on rank 0 as the generation runs:
 
 - **cost**: each step's wall time by its token count (collective waits included: what the
-  step really costs on this machine), and the drafter's time per drafted token. The first step
-  is plain, to measure the yardstick. A width not measured yet is interpolated linearly from
-  the widths that were. While only plain steps were seen, each extra token is assumed to cost
-  half a plain step, what a 2-core CPU measured (torch's linear layers take one token's rows
-  much faster than two: docs/benchmarks.md §11): only strong evidence drafts before a wide
-  step was measured, and a GPU, where wide steps cost next to nothing, finds that out at its
-  first draft or probe.
+  step really costs on this machine), and the drafter's time per drafted token, in the one
+  step-cost model of speculation (:mod:`treeattn.hf.step_costs`, the server's too). The first
+  step is plain, to measure the yardstick; while only plain steps were seen, each extra token
+  is priced at :data:`~treeattn.hf.step_costs.BETA0` of a plain step, so only strong evidence
+  drafts before a wide step was measured.
 - **acceptance**, per kind of evidence: prompt lookup's drafts by how far back their match
   agrees with the text (:func:`evidence`: 1, 2, 3, 4-5 or 6 and more tokens; a coincidental
   phrase matches 3 or 4, a quote 6 and more), a draft model's as one kind. A
@@ -33,7 +31,9 @@ and sampling stays lossless.
 
 from __future__ import annotations
 
-MARGIN = 0.02  # a draft must promise 2 % more tokens per second than a plain step
+from .step_costs import BETA0, MARGIN, Rate, StepCosts, expected_tokens
+
+__all__ = ["BETA0", "MARGIN", "PROBE", "DraftPolicy", "evidence"]
 _DISCOUNT = 0.9  # weight of the past per observation of a kind
 # Beta(a, b) of prompt lookup by evidence (the match's length, :func:`evidence`). From two real
 # answers over a 7.7k-token document (SmolLM2-135M, GPL-3, benchmarks/speculative.py), replayed
@@ -47,7 +47,6 @@ _DISCOUNT = 0.9  # weight of the past per observation of a kind
 # lost more than 0.013x
 _PRIOR = {1: (0.25, 4.0), 2: (0.5, 2.0), 3: (1.0, 1.5), 4: (1.0, 1.0), 6: (2.0, 1.0)}
 _MODEL_PRIOR = (1.0, 1.0)
-BETA0 = 0.5  # prior cost of each extra token, relative to a plain step (a CPU's: see the module doc)
 PROBE = 16  # a kind not drafted for this many steps of its evidence gets a 1-token draft
 
 
@@ -67,8 +66,8 @@ class DraftPolicy:
 
     def __init__(self, k_max: int, width: int = 1) -> None:
         self.k_max, self.width = k_max, width
-        self.cost: dict[int, float] = {}  # step tokens -> EMA seconds
-        self.draft_s = 0.0  # EMA seconds of drafting per drafted depth
+        self.costs = StepCosts()  # step tokens -> EMA seconds
+        self.drafting = Rate()  # seconds of drafting per drafted depth
         self.counts: dict[object, list[float]] = {}  # kind -> [accepted, rejected], discounted
         self.idle: dict[object, int] = {}  # kind -> steps since it was last drafted
 
@@ -85,35 +84,19 @@ class DraftPolicy:
 
     def step_cost(self, T: int) -> float:
         """Estimated seconds of a step of ``T`` tokens, relative to a plain step (1.0)."""
-        c1 = self.cost.get(1)
-        if c1 is None or T == 1:
-            return 1.0 + BETA0 * (T - 1)
-        if T in self.cost:
-            return self.cost[T] / c1
-        known = sorted(t for t in self.cost if t > 1)
-        if not known:
-            return 1.0 + BETA0 * (T - 1)
-        lo = max([t for t in known if t < T], default=1)
-        hi = min([t for t in known if t > T], default=None)
-        c_lo = self.cost[lo] / c1
-        if hi is None:  # beyond every measured width: the slope of the widest one
-            slope = max(0.0, (self.cost[known[-1]] / c1 - 1.0) / (known[-1] - 1))
-            return c_lo + slope * (T - lo)
-        return c_lo + (self.cost[hi] / c1 - c_lo) * (T - lo) / (hi - lo)
+        return 1.0 if T == 1 else self.costs.relative(T)
 
     def value(self, kind, d: int) -> float:
         """Expected tokens per unit of time of a draft of depth ``d``, plain decoding = 1."""
         if d == 0:
             return 1.0
-        a = self.alpha(kind)
-        tokens = sum(a**i for i in range(d + 1))
-        c1 = self.cost.get(1)
-        drafting = d * self.draft_s / c1 if c1 else 0.0
-        return tokens / (self.step_cost(1 + d * self.width) + drafting)
+        c1 = self.costs.seconds.get(1)
+        drafting = d * self.drafting.value / c1 if c1 else 0.0
+        return expected_tokens(self.alpha(kind), d) / (self.step_cost(1 + d * self.width) + drafting)
 
     def depth(self, kind, cap: int) -> int:
         """The draft depth to offer (0: a plain step) for evidence ``kind`` within ``cap``."""
-        if 1 not in self.cost:  # a plain step first: the yardstick of every other
+        if 1 not in self.costs:  # a plain step first: the yardstick of every other
             return 0
         kind = evidence(kind)
         best, best_v = 0, 1.0 + MARGIN
@@ -130,19 +113,16 @@ class DraftPolicy:
     def _probe_every(self) -> float:
         """Steps between one-token probes: at least :data:`PROBE`, and enough that a probe's
         extra cost stays under 1 % of the time."""
-        c1 = self.cost.get(1)
-        extra = self.step_cost(1 + self.width) - 1.0 + (self.draft_s / c1 if c1 else 0.0)
+        c1 = self.costs.seconds.get(1)
+        extra = self.step_cost(1 + self.width) - 1.0 + (self.drafting.value / c1 if c1 else 0.0)
         return max(PROBE, extra / 0.01)
 
     # -- measurements ----------------------------------------------------------------------
     def observe_step(self, T: int, seconds: float) -> None:
-        old = self.cost.get(T)
-        self.cost[T] = seconds if old is None else 0.7 * old + 0.3 * seconds
+        self.costs.observe(T, seconds)
 
     def observe_drafting(self, depth: int, seconds: float) -> None:
-        if depth > 0:
-            per = seconds / depth
-            self.draft_s = per if self.draft_s == 0.0 else 0.7 * self.draft_s + 0.3 * per
+        self.drafting.observe(depth, seconds)
 
     def observe_acceptance(self, kind, offered: int, accepted: int) -> None:
         """A draft of depth ``offered`` whose accepted path was ``accepted`` deep: ``accepted``

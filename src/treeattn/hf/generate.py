@@ -12,7 +12,7 @@ from ..comm.collectives import world
 from ..comm.validate import agree
 from ..config import Layout, Sampling, Speculation
 from ._model import checksum, model_problem, right_padded
-from .contrastive import HiddenStore, contrastive_step
+from .decoders import Contrastive, Decoder, GenerationStats, Plain, Speculative
 from .families import max_positions
 from .prompt_lookup import PromptLookup
 from .sampler import Sampler
@@ -239,13 +239,15 @@ def generate(
         return torch.where(live, tok, pad) if len(eos) else tok
 
     if contrast:
-        session.hidden = HiddenStore(session)
-    spec = None
-    if speculate:
+        dec: Decoder = Contrastive(session, penalty_alpha, top_k, device)
+    elif speculate:
         drafter = None
         if rank == 0:  # drafts are made on rank 0 and broadcast
             drafter = PromptLookup() if speculate == "prompt-lookup" else DraftModel(draft_model, sampler)
-        spec = Speculator(drafter, num_draft_tokens, tree_width, sampler, group=group, adaptive=adaptive_draft)
+        dec = Speculative(session, Speculator(drafter, num_draft_tokens, tree_width, sampler, group=group,
+                                              adaptive=adaptive_draft), pick)  # fmt: skip
+    else:
+        dec = Plain(session, pick)
     n_out = 0
 
     def emit(tok: Tensor) -> bool:
@@ -272,26 +274,13 @@ def generate(
         c = session.cache  # decoding grows the cache to what this call can commit, not twice the prompt's
         c.slot_limit = c.placement.max_per_rank(input_ids.shape[1] + max_new_tokens + (num_draft_tokens or 0))
         t_pre = session.last_call["seconds"]
-        if contrast:  # the chosen token is committed as it is chosen
-            last = logits
-            tok, logits = contrastive_step(session, logits, penalty_alpha, top_k)
-            tok = torch.tensor([tok], device=device)
-        else:
-            tok = pick(logits)
+        tok = dec.first(logits)
         t1 = time.perf_counter()
         steps = []
         done = emit(tok)
         while not done:
             ts = time.perf_counter()
-            if contrast:
-                last = logits
-                t, logits = contrastive_step(session, logits, penalty_alpha, top_k)
-                new = [torch.tensor([t], device=device)]
-            elif spec is None:
-                logits = session.extend(tok[:, None], check=False)
-                new = [pick(logits)]
-            else:
-                new = [torch.tensor([t], device=device) for t in spec.step(session, int(tok), max_new_tokens - n_out)]
+            new = dec.next(tok, max_new_tokens - n_out)
             dt = (time.perf_counter() - ts) / len(new)
             for tok in new:
                 steps.append(dt)
@@ -299,24 +288,8 @@ def generate(
                     break
         if info is not None:
             st = session.stats()
-            final = logits  # the logits the last token was chosen from
-            if contrast:
-                final = last
-            elif spec is not None and spec.stats.committed:
-                final = spec.last_logits
-            info.update(
-                ttft=t1 - t0,
-                prefill=t_pre,
-                decode=steps,
-                cache_bytes=st["cache_bytes"],
-                peak_bytes=st["peak_bytes"],
-                last_logits=final,
-            )
-            if spec is not None:
-                info.update(mean_accepted_length=spec.stats.mean_accepted_length,
-                            acceptance_rates=spec.stats.rates(), target_forwards=len(spec.stats.committed))  # fmt: skip
-                if spec.policy is not None and spec.policy.cost:  # rank 0's measured step costs, plain = 1
-                    info["step_costs"] = {T: spec.policy.step_cost(T) for T in sorted(spec.policy.cost)}
+            info.update(vars(GenerationStats(t1 - t0, t_pre, steps, st["cache_bytes"], st["peak_bytes"], dec.logits)))
+            info.update(dec.stats())
     finally:
         if bar:
             bar.close()

@@ -18,10 +18,10 @@ from ..cache import ShardedKVCache, auto_block
 from ..comm.collectives import world
 from . import _model as S
 from ._calls import checked
-from ._commit import store_kept
-from ._forward import Forwards
+from ._commit import adopt, store_kept
 from ._history import History
 from ._settings import agree_settings
+from .runner import ModelRunner
 from .tensor_parallel import kv_heads_here, sequence_group
 
 
@@ -96,7 +96,7 @@ class Session:
         self.placement, self.block, self.max_length = placement, block, limit
         self.counters = dict(forwards=0, extend_tokens=0, extend_seconds=0.0, steps=0, step_tokens=0,
                              step_seconds=0.0, kept_tokens=0)  # fmt: skip
-        self.fw = Forwards(model, group, self.seq, attention=attention, strategy=strategy, prefill=prefill,
+        self.fw = ModelRunner(model, group, self.seq, attention=attention, strategy=strategy, prefill=prefill,
                            prefill_chunk=prefill_chunk, counters=self.counters, cuda_graph=cuda_graph)  # fmt: skip
         self.dtype, self.device = self.fw.dtype, self.fw.device
         self.cache: ShardedKVCache | None = None
@@ -321,6 +321,13 @@ class Session:
         if self.cache is not None:
             self._truncate(self.history.lens.clamp(max=n))
         self.last_call = dict(op="rewind", tokens=0, seconds=0.0)
+
+    def adopt(self, ids: Tensor, kv) -> None:
+        """Commit ``ids [1, n]`` after the one sequence's tokens without running them: their K/V
+        come from ``kv(layer)`` -> ``(k, v) [m, Hkv, D]``, the ``m`` of them this rank's placement
+        holds, in position order (a batch row's own tokens). Not checked: every rank calls it alike."""
+        self._pending = None
+        adopt(self.cache, self.history, ids, kv, self.device)
 
     # -- internals -------------------------------------------------------------------
     def _check_ids(self, ids, what: str, values: bool) -> tuple[int, int]:

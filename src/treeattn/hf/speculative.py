@@ -261,19 +261,9 @@ class Speculator:
         """``(path from the root, next token)``; ``tokens``/``parents``: the block (the pending
         token first), ``draft``: its drafted part (node i of the draft is block node i + 1)."""
         logits = logits.float()
-        children: dict[int, dict[int, int]] = {}
-        for i, a in enumerate(parents):
-            if a >= 0:
-                children.setdefault(a, {}).setdefault(tokens[i], i)
-        node, path = 0, [0]
         if draft.q is None:  # greedy, or a sample of the target at each node: lossless for fixed drafts
-            while True:
-                t = self.sampler.next(logits[node])
-                nxt = children.get(node, {}).get(t)
-                if nxt is None:
-                    return path, t
-                path.append(nxt)
-                node = nxt
+            return follow(logits, tokens, parents, self.sampler.next)
+        node, path = 0, [0]
         while True:  # sampled drafts: SpecInfer's multi-step speculative sampling (one trial: Leviathan's rule)
             p = self.sampler.probs(logits[node])
             trials = [i + 1 for i in draft.trials.get(node - 1, [])]  # none at a leaf: the target's own draw
@@ -287,6 +277,26 @@ class Speculator:
                 return path, self.sampler.draw(p)
             path.append(c)
             node = c
+
+
+def follow(logits: Tensor, tokens: list[int], parents: list[int], choose) -> tuple[list[int], int]:
+    """Verification of a fixed draft (generate's and the server's): from the block's root (node 0,
+    the pending token) down its tree (``parents[i]`` of node ``i``, -1 at the root), the target's
+    own choice ``choose(logits [V]) -> int`` at each node, followed while a child carries it.
+    ``(path of nodes from the root, the token chosen after it)``: greedy output stays greedy's and
+    a sampler's draws stay its own (lossless), whatever was drafted."""
+    children: dict[int, dict[int, int]] = {}
+    for i, a in enumerate(parents):
+        if a >= 0:
+            children.setdefault(a, {}).setdefault(tokens[i], i)
+    node, path = 0, [0]
+    while True:
+        t = choose(logits[node])
+        nxt = children.get(node, {}).get(t)
+        if nxt is None:
+            return path, t
+        path.append(nxt)
+        node = nxt
 
 
 def _depth(parents: list[int], i: int) -> int:

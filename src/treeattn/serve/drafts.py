@@ -36,17 +36,16 @@ import time
 
 import torch
 
-from ..hf.draft_policy import BETA0, PROBE, DraftPolicy
+from ..hf.draft_policy import PROBE, DraftPolicy
 from ..hf.families import max_positions
 from ..hf.prompt_lookup import PromptLookup
-from ..hf.speculative import DraftModel
+from ..hf.speculative import DraftModel, follow
+from ..hf.step_costs import MARGIN, Rate, StepCosts, expected_tokens
 
-# a draft must promise the batch 2 % more tokens per second (generate's margin too). Replayed over
-# 4 requests at once with the step costs a server measured (benchmarks/server_draft_replay.py,
-# docs/benchmarks.md §12.2), 10 % left drafts undrafted that paid: quoting answers 0.84-0.87 of
-# plain's decode time after the first round, 0.77-0.79 with 2 %; answers that do not quote the
-# text 0.646-0.655 and 0.650-0.660
-MARGIN = 0.02
+# MARGIN (generate's too): the batch's tokens per second must rise 2 %. Replayed over 4 requests at
+# once with the step costs a server measured (benchmarks/server_draft_replay.py, docs/benchmarks.md
+# §12.2), 10 % left drafts undrafted that paid: quoting answers 0.84-0.87 of plain's decode time
+# after the first round, 0.77-0.79 with 2 %; answers that do not quote the text 0.646-0.655 and 0.650-0.660
 MODEL = "model"  # the kind of a draft model's drafts
 _SYNC_MAX = 8  # a drafting call that first ran more new tokens than this (a prompt, a catch-up) is not timed
 # a draft model catching up with prompts it has not seen takes at most this share of a step's
@@ -186,8 +185,7 @@ class RowDrafts:
             self.model = None
 
     def expected(self, kind: int, d: int) -> float:
-        a = self.policy.alpha(kind)
-        return sum(a**i for i in range(d + 1))
+        return expected_tokens(self.policy.alpha(kind), d)
 
     def observe(self, kind: int, offered: int, accepted: int) -> None:
         self.policy.observe_acceptance(kind, offered, accepted)
@@ -203,26 +201,26 @@ class BatchDrafts:
     (``fixed``: every candidate draft whole, no cost model)."""
 
     def __init__(self, fixed: bool = False) -> None:
-        self.cost: dict[int, float] = {}  # tokens in a decode-only step -> EMA seconds
+        self.costs = StepCosts()  # tokens in a decode-only step -> EMA seconds (hf.step_costs: generate's model)
         self.fixed = fixed
         self.pool = DraftPolicy(1)  # acceptance by evidence over every request (its counts only)
-        self.draft_s = 0.0  # a draft model's EMA seconds per drafted token (0: none measured yet)
-        self.catchup_s = 0.0  # a draft model's EMA seconds per prompt token caught up with
+        self.drafting = Rate()  # a draft model's seconds per drafted token (0: none measured yet)
+        self.catchup = Rate()  # a draft model's seconds per prompt token caught up with
         self.catchup_left = 0.0  # seconds of catching up left in this step
 
+    @property
+    def cost(self) -> dict[int, float]:
+        """A decode-only step's measured seconds by its tokens."""
+        return self.costs.seconds
+
     def observe_step(self, n: int, seconds: float) -> None:
-        old = self.cost.get(n)
-        self.cost[n] = seconds if old is None else 0.7 * old + 0.3 * seconds
+        self.costs.observe(n, seconds)
 
     def observe_drafting(self, tokens: int, seconds: float) -> None:
-        if tokens:
-            s = seconds / tokens
-            self.draft_s = s if not self.draft_s else 0.7 * self.draft_s + 0.3 * s
+        self.drafting.observe(tokens, seconds)
 
     def observe_catchup(self, tokens: int, seconds: float) -> None:
-        if tokens > 0:
-            s = seconds / tokens
-            self.catchup_s = s if not self.catchup_s else 0.7 * self.catchup_s + 0.3 * s
+        self.catchup.observe(tokens, seconds)
 
     def catchup_tokens(self, most: int, fresh: int) -> int:
         """Prompt tokens a draft model may run in this step to catch up with ``fresh`` unseen
@@ -232,32 +230,15 @@ class BatchDrafts:
         model, ``most`` a step."""
         if self.fixed:
             return min(fresh, most)
-        if not self.catchup_s:
-            n = min(most, _CATCHUP_FIRST)
-        else:
-            n = max(0, min(most, int(self.catchup_left / self.catchup_s)))
+        rate = self.catchup.value
+        n = min(most, _CATCHUP_FIRST) if not rate else max(0, min(most, int(self.catchup_left / rate)))
         n = fresh if fresh <= n else n
-        self.catchup_left -= n * self.catchup_s
+        self.catchup_left -= n * rate
         return n
 
     def step_cost(self, n: int) -> float | None:
         """Estimated seconds of a decode-only step of ``n`` tokens (None: nothing measured)."""
-        if not self.cost:
-            return None
-        if n in self.cost:
-            return self.cost[n]
-        known = sorted(self.cost)
-        lo = max((t for t in known if t < n), default=None)
-        hi = min((t for t in known if t > n), default=None)
-        if lo is not None and hi is not None:
-            return self.cost[lo] + (self.cost[hi] - self.cost[lo]) * (n - lo) / (hi - lo)
-        if len(known) >= 2:  # beyond the measured widths: the slope of the two nearest
-            a, b = (known[-2], known[-1]) if hi is None else (known[0], known[1])
-            slope = max(0.0, (self.cost[b] - self.cost[a]) / (b - a))
-            ref = b if hi is None else a
-            return max(self.cost[ref] + slope * (n - ref), 1e-9)
-        (t,) = known
-        return self.cost[t] * max(1.0 + BETA0 * (n - t) / t, 1e-3)
+        return self.costs.estimate(n)
 
     def _probe_pays(self, rd: RowDrafts, per: float, rows: int) -> bool:
         """Whether a one-token probe is due: always for prompt lookup; for a draft model, whose
@@ -280,7 +261,7 @@ class BatchDrafts:
         order = sorted(range(len(cands)), key=lambda i: -cands[i][0].policy.alpha(cands[i][2]))
         for i in order:
             rd, cap, kind = cands[i]
-            per = self.draft_s if kind == MODEL else 0.0
+            per = self.drafting.value if kind == MODEL else 0.0
             best, best_v = 0, tokens / (self.step_cost(n) + drafting) * (1.0 + MARGIN)
             for d in range(1, cap + 1):
                 v = (tokens - 1.0 + rd.expected(kind, d)) / (self.step_cost(n + d) + drafting + d * per)
@@ -298,12 +279,7 @@ class BatchDrafts:
 
 
 def verify(logits: torch.Tensor, draft: list[int], choose) -> list[int]:
-    """The tokens a step emits for a line of the pending token and ``draft``: ``choose(logits
-    [V]) -> int`` at each position while it matches the draft, and the first that does not
-    (or the token after a fully accepted draft)."""
-    out = []
-    for i in range(len(draft) + 1):
-        out.append(choose(logits[i]))
-        if i == len(draft) or out[-1] != draft[i]:
-            return out
-    return out
+    """The tokens a step emits for a line of the pending token and ``draft`` (a chain):
+    :func:`treeattn.hf.speculative.follow`'s accepted draft tokens and the target's next."""
+    path, nxt = follow(logits, [-1] + draft, list(range(-1, len(draft))), choose)
+    return draft[: len(path) - 1] + [nxt]

@@ -1,14 +1,18 @@
-"""How a :class:`treeattn.hf.Session` runs its model over its sharded cache: a block of
-prompt tokens as chunked, sharded prefill (Tree or Ring per chunk), one new token per
-sequence as a decode step, or a block of tentative tokens (a chain or a token tree) as a
-step whose K/V are kept aside. Each chunk is one forward of the transformers model with the
-``"treeattn"`` attention implementation reading a :class:`StepContext`. A prefill or a
-decode step stores its K/V in the cache (and hidden states in a store, when given); what is
-committed to the Session's history, and a step's keeping, are the Session's business."""
+"""The one object that runs a model's forwards over the sharded K/V: :class:`ModelRunner`.
+
+Every kind of step (:mod:`treeattn.hf.steps`) is one forward of the transformers model with
+the ``"treeattn"`` attention implementation reading the step: a chunk of prompt tokens as
+chunked, sharded prefill (Tree or Ring per chunk), one new token per sequence as a decode step
+(or its static, graph-captured form, :mod:`treeattn.hf._graph`), a block of tentative tokens (a
+chain or a token tree) kept aside, and the batched rows of the server over shared prefixes
+(:class:`~treeattn.hf._cascade.RowsStep`, built by :class:`~treeattn.hf.batch.BatchRunner`). The
+decoder call, the attention switch, the tensor-parallel token split and the LM head are here only;
+what is committed and kept is the caller's (:class:`~treeattn.hf.Session`, the batch)."""
 
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -19,20 +23,28 @@ from ..comm.collectives import all_reduce, world
 from ..parallel.tensor import sharded_tokens
 from . import _graph
 from ._model import cache_kw, lm_logits, prefill_windows
+from ._split import gather_rows
 from .alibi import alibi_layers
-from .attention import AttnSwitch, StepContext, TreeAttnCache
-from .tensor_parallel import kv_heads_here, model_mesh
+from .attention import AttnSwitch, TreeAttnCache
+from .steps import Decode, Prefill, Step, TokenTree
+
+if TYPE_CHECKING:
+    from ._cascade import RowsStep
+from .tensor_parallel import kv_heads_here, model_mesh, sequence_group
 
 _FLOPS_PER_BYTE = 30  # attention flops one rank does while gloo moves a byte (2-core host, order of magnitude)
 
 
-class Forwards:
-    """The model, its decoder and the parallel settings of one Session; :meth:`bind` gives it
-    the cache. ``group``: every rank (the LM head's split); ``seq``: the ranks the cache is
-    sharded over (``group``, or a mesh's KVP group)."""
+class ModelRunner:
+    """A model, its decoder and its parallel settings; :meth:`bind` gives it a
+    :class:`~treeattn.cache.ShardedKVCache` (a Session's). ``group``: every rank (the LM head's
+    split); ``seq``: the ranks the cache is sharded over (``group``, or a mesh's KVP group);
+    ``counters["forwards"]`` counts the forwards run."""
 
-    def __init__(self, model: torch.nn.Module, group, seq, *, attention: str, strategy: str, prefill: str,
-                 prefill_chunk: int | None, counters: dict, cuda_graph: bool = False) -> None:  # fmt: skip
+    def __init__(self, model: torch.nn.Module, group=None, seq=None, *, attention: str = "tree", strategy: str = "auto",
+                 prefill: str = "auto", prefill_chunk: int | None = 1024, counters: dict | None = None,
+                 cuda_graph: bool = False) -> None:  # fmt: skip
+        seq = sequence_group(model, group) if seq is None else seq
         self.model, self.group, self.seq = model, group, seq
         self.rank, self.p = world(seq)
         mesh = model_mesh(model)  # a mesh's KVP ranks take their heads of the Tree reduction (Helix)
@@ -45,7 +57,13 @@ class Forwards:
         self.cache: ShardedKVCache | None = None
         self._tc: TreeAttnCache | None = None
         self._switch = AttnSwitch(model)
-        self.counters = counters  # the Session's: "forwards" counts the model's forward calls
+        self.counters = dict(forwards=0) if counters is None else counters  # "forwards": the model's forward calls
+        cfg = model.config
+        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        ropes = list(rope.values()) if rope and all(isinstance(x, dict) for x in rope.values()) else [rope]
+        # a batched step's tokens split over the ranks needs every layer but attention token by token: rotary
+        # frequencies chosen by the longest position in the input (dynamic NTK, LongRoPE) would differ
+        self.split_ok = not any(r.get("rope_type", r.get("type")) in ("dynamic", "longrope") for r in ropes)
         graphs = self.device.type == "cuda"  # elsewhere the same static step, uncaptured
         alone = world(group)[1] == 1  # (a mesh of one KVP rank per slice still runs collectives)
         static = cuda_graph and alone and not alibi_layers(model)  # (ALiBi: no static step)
@@ -63,13 +81,24 @@ class Forwards:
             with self._switch():
                 yield
         finally:
-            self._tc.ctx = None
+            if self._tc is not None:
+                self._tc.ctx = None
 
-    def _run(self, ctx: StepContext, ids: Tensor, pos: Tensor) -> Tensor:
-        self._tc.ctx = ctx
-        self.counters["forwards"] += 1
+    def forward(self, step: Step, ids: Tensor, pos: Tensor, view: TreeAttnCache | None = None) -> Tensor:
+        """One forward of ``ids`` at positions ``pos`` (both ``[B, T]``) as ``step``, its K/V through
+        ``view`` (default: the bound cache's); the last hidden states. Inside :meth:`treeattn`."""
+        view = self._tc if view is None else view
+        view.ctx = step
         return self.decoder(input_ids=ids.to(self.device), position_ids=pos.to(self.device),
-                            **cache_kw(self.decoder, self._tc), use_cache=True, treeattn_ctx=ctx).last_hidden_state  # fmt: skip
+                            **cache_kw(self.decoder, view), use_cache=True, treeattn_ctx=step).last_hidden_state  # fmt: skip
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """The LM head's float32 logits of ``hidden [..., hidden]`` (a split head gathered)."""
+        return lm_logits(self.model, hidden, self.group, split=True)
+
+    def _run(self, step: Step, ids: Tensor, pos: Tensor) -> Tensor:
+        self.counters["forwards"] += 1
+        return self.forward(step, ids, pos)
 
     def method(self, q_pos: list[Tensor], old: list[Tensor], new: list[Tensor], b: list[int]) -> str:
         """``"tree"`` or ``"ring"`` for one prefill chunk: the one with less traffic left exposed.
@@ -106,9 +135,8 @@ class Forwards:
             q_pos = [x[i:j] for x, i, j in zip(new, a, b, strict=True)]
             n = len(q_pos[rank])
             how = self.prefill_mode if self.prefill_mode != "auto" else self.method(q_pos, old, new, b)
-            ctx = StepContext(c, "prefill", how, self.strategy, self.seq,
-                              positions=[torch.cat([o, x[:j]]) for o, x, j in zip(old, new, b, strict=True)],
-                              q_positions=q_pos, n_real=n, start=base + a[rank])  # fmt: skip
+            ctx = Prefill(c, how, self.strategy, self.seq, [torch.cat([o, x[:j]]) for o, x, j in zip(old, new, b, strict=True)],
+                          q_pos, n, base + a[rank])  # fmt: skip
             pos = q_pos[rank] if n else torch.full((1,), L0, dtype=torch.int64)  # a placeholder keeps the model happy
             with sharded_tokens([max(1, len(x)) for x in q_pos], self.seq):  # each rank its own tokens (tensor parallel layers)
                 hidden = self._run(ctx, ids[:, (pos - L0).to(ids.device)], pos[None, :].expand(B, -1))
@@ -121,7 +149,7 @@ class Forwards:
                 rows, cols = torch.nonzero(q_pos[rank][None, :] == (L0 + lens - 1)[:, None], as_tuple=True)
                 last[rows.to(self.device)] = hidden[rows.to(self.device), cols.to(self.device)].to(last.dtype)
         last = all_reduce(last, dist.ReduceOp.SUM, self.seq)
-        return lm_logits(self.model, last.to(self.dtype), self.group, split=True)
+        return self.logits(last.to(self.dtype))
 
     def decode(self, tok: Tensor, hidden_store=None) -> Tensor:
         """One token per sequence ``tok [B]``: placed, stored, then attention over the cache; its logits."""
@@ -130,12 +158,12 @@ class Forwards:
         c = self.cache
         pos = c.seq_lens.clone()
         c.begin_decode_step()
-        ctx = StepContext(c, "decode", self.attention, self.strategy, self.seq, kv_lens=c.lens_on_device(), q_pos=pos,
-                          heads=self.heads)  # fmt: skip
+        ctx = Decode(c, self.attention, self.strategy, self.seq, c.lens_on_device(), pos, heads=self.heads)
         hidden = self._run(ctx, tok[:, None], pos[:, None])[:, -1]
         if hidden_store is not None:
-            hidden_store.store(c._step_rows, c._step_slots, hidden[c._step_rows])
-        return lm_logits(self.model, hidden, self.group, split=True)
+            rows, slots = c.step_targets
+            hidden_store.store(rows, slots, hidden[rows])
+        return self.logits(hidden)
 
     def step(self, tokens: Tensor, tree: tuple[list[int], Tensor, Tensor], committed: Tensor) -> tuple:
         """Tentative ``tokens [B, T]`` in the token tree ``tree`` (:func:`~treeattn.hf._model.tree_of`)
@@ -143,7 +171,29 @@ class Forwards:
         _, depth, sees = tree
         c = self.cache
         q_pos = committed[:, None] + depth[None, :]
-        ctx = StepContext(c, "step", self.attention, self.strategy, self.seq, kv_lens=c.lens_on_device(),
-                          q_pos=q_pos, tree=sees, depth=depth, heads=self.heads)  # fmt: skip
+        ctx = TokenTree(c, self.attention, self.strategy, self.seq, c.lens_on_device(), q_pos, heads=self.heads,
+                        tree=sees, depth=depth)  # fmt: skip
         hidden = self._run(ctx, tokens, q_pos)
-        return lm_logits(self.model, hidden, self.group, split=True), hidden, ctx.stash
+        return self.logits(hidden), hidden, ctx.stash
+
+    def rows(self, step: RowsStep, ids: list[int], pos: Tensor, want: list[int]) -> Tensor:
+        """A batched step of the server (:class:`~treeattn.hf.batch.BatchRunner`): the flat tokens
+        ``ids`` at positions ``pos [N]`` as one sequence of ``step``'s lines, each rank running its
+        ``step.cut`` of them (None: all), the per-token layers gathering the others' (tensor
+        parallel); float32 logits at the flat token indices ``want``."""
+        cut = step.cut
+        a, b = (cut[self.rank], cut[self.rank + 1]) if cut else (0, len(ids))
+        view = TreeAttnCache(_Lens(step.rows.L, pos.min().reshape(1)))
+        split = sharded_tokens([cut[r + 1] - cut[r] for r in range(self.p)], self.seq) if cut else contextlib.nullcontext()
+        self.counters["forwards"] += 1
+        with self.treeattn(), split:
+            hidden = self.forward(step, torch.tensor([ids[a:b]]), pos[None, a:b], view)[0]
+        h = gather_rows(hidden, want, cut, self.rank, self.seq) if cut else hidden[torch.tensor(want).to(self.device)]
+        return self.logits(h)
+
+
+class _Lens:
+    """What :class:`TreeAttnCache` reads of its store: layers and global lengths."""
+
+    def __init__(self, num_layers: int, seq_lens: Tensor) -> None:  # [1]: the first new position
+        self.num_layers, self.seq_lens = num_layers, seq_lens
