@@ -37,7 +37,7 @@ def main() -> None:
     a = ap.parse_args()
     from transformers import AutoTokenizer
 
-    from treeattn.hf.haystack import chat_ids
+    from treeattn.bench.haystack import chat_ids
     from treeattn.hf.models import resolve_model
     from treeattn.launch import launch
 

@@ -41,7 +41,7 @@ def treeattn_run(model_dir, ids, new, variants, outdir):
     import torch
     import torch.distributed as dist
 
-    from treeattn.hf import generate
+    from treeattn.decoding import generate
     from treeattn.hf.linear import pack_linears, unpack_linears
     from treeattn.hf.models import load_model
     from treeattn.hf.tensor_parallel import tensor_parallel
@@ -88,7 +88,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from treeattn.hf.haystack import chat_ids
+    from treeattn.bench.haystack import chat_ids
     from treeattn.hf.models import resolve_model
     from treeattn.launch import launch
 

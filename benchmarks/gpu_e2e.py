@@ -1,6 +1,6 @@
 """End to end on one GPU: a Llama-3.2-1B-shaped model (16 layers, 32/8 heads x 64, random
 weights), greedy, a long random prompt: a plain transformers forward loop (DynamicCache)
-against treeattn at p = 1 (``treeattn.hf.generate``, a Session loop), eager and with its
+against treeattn at p = 1 (``treeattn.decoding.generate``, a Session loop), eager and with its
 decode steps as CUDA graphs (``cuda_graph=True``), in one process, alternating. Time to first
 token and the median ms per later token; tokens compared.
 
@@ -51,7 +51,7 @@ def hf_loop(m, ids, new: int) -> tuple[list[int], float, list[float]]:
 
 
 def treeattn_run(m, ids, new: int, chunk, graph: bool = False, flash: bool = False) -> tuple[list[int], float, list[float]]:
-    from treeattn.hf import generate
+    from treeattn.decoding import generate
     from treeattn.ops import causal
 
     causal.SQUARE_FLASH = flash  # the prompt's square causal block through aten's flash kernel

@@ -28,7 +28,7 @@ def main() -> None:
     gguf = smollm2_gguf()
     from transformers import AutoTokenizer
 
-    from treeattn.hf.haystack import NEEDLE, QUESTION, haystack
+    from treeattn.bench.haystack import NEEDLE, QUESTION, haystack
     from treeattn.hf.models import resolve_model
 
     d = resolve_model(str(gguf))

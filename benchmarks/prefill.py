@@ -136,9 +136,9 @@ def worker(model_dir, ids, attention, reps, chunk, block, fifos, out, gap, nbase
     import torch
     import torch.distributed as dist
 
-    from treeattn.hf import Session
     from treeattn.hf.models import load_model
     from treeattn.ops._decode_cpu import kernel_available
+    from treeattn.runtime import Session
 
     kernel_available()
     model, _ = load_model(model_dir)
@@ -275,7 +275,7 @@ def main() -> None:
     gguf_path = smollm2_gguf()
     from transformers import AutoTokenizer
 
-    from treeattn.hf.haystack import chat_ids
+    from treeattn.bench.haystack import chat_ids
     from treeattn.hf.models import resolve_model
 
     d = str(resolve_model(str(gguf_path)))

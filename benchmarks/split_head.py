@@ -21,10 +21,10 @@ def worker(model_dir: str, ids: list[int], rounds: int, steps: int) -> None:
     import torch
     import torch.distributed as dist
 
-    import treeattn.hf._model as M
+    import treeattn.hf.model as M
     from treeattn.hf.linear import pack_linears
     from treeattn.hf.models import load_model
-    from treeattn.hf.session import Session
+    from treeattn.runtime.session import Session
 
     model, _ = load_model(model_dir)
     pack_linears(model)

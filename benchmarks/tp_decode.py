@@ -36,7 +36,8 @@ def treeattn_run(model_dir, ids, new, split, outdir):
     import torch
     import torch.distributed as dist
 
-    from treeattn.hf import generate, load_split
+    from treeattn.decoding import generate
+    from treeattn.hf import load_split
     from treeattn.hf.linear import pack_linears
     from treeattn.hf.models import load_model
 
@@ -65,7 +66,7 @@ def main() -> None:
     a = ap.parse_args()
     from transformers import AutoTokenizer
 
-    from treeattn.hf.haystack import chat_ids
+    from treeattn.bench.haystack import chat_ids
     from treeattn.hf.models import resolve_model
     from treeattn.launch import launch
 

@@ -71,7 +71,8 @@ def _everyones(text: str) -> list[int]:
 
 
 def agreement_worker(drop: str | None) -> None:
-    from treeattn.hf import Session, generate
+    from treeattn.decoding import generate
+    from treeattn.runtime import Session
     from treeattn.serve.engine import Engine
 
     rank = dist.get_rank()

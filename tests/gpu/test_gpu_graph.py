@@ -1,4 +1,4 @@
-"""GPU suite: the Session's decode step as CUDA graphs (``cuda_graph=True``, hf._graph) on
+"""GPU suite: the Session's decode step as CUDA graphs (``cuda_graph=True``, runtime._graph) on
 one GPU: greedy ``generate`` gives ``model.generate``'s tokens on tiny Llama, Mistral (sliding
 window) and Qwen2 models; a Session's replayed steps give the eager steps' logits (Gemma-2:
 windows and softcaps) across spans, cache reallocations, a rewind and a kept speculative step. Skipped
@@ -13,7 +13,8 @@ pytest.importorskip("transformers")
 
 from test_gpu_hf import hf_generate, tiny_cuda  # noqa: E402
 
-from treeattn.hf import Session, _graph, generate  # noqa: E402
+from treeattn.decoding import generate  # noqa: E402
+from treeattn.runtime import Session, _graph
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU suite: needs a CUDA device")
 

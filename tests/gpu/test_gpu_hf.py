@@ -39,7 +39,7 @@ def gpu_generate_worker() -> None:
     sys.path.insert(0, str(Path(__file__).parents[1] / "hf"))
     from test_speculative import contrastive_reference
 
-    from treeattn.hf import generate
+    from treeattn.decoding import generate
 
     torch.cuda.set_device(0)
     p = dist.get_world_size()
@@ -81,7 +81,7 @@ def test_generate_on_cuda_matches_transformers(p, backend):
 
 
 def gpu_real_worker(path: str) -> None:
-    from treeattn.hf import generate
+    from treeattn.decoding import generate
     from treeattn.hf.models import load_model, resolve_model
 
     torch.cuda.set_device(0)

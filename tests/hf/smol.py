@@ -39,7 +39,7 @@ NEW = 24
 def smol(tmp_path_factory):
     """The GGUF converted once per session (into a private cache that the CLI tests share
     through TREEATTN_CACHE_DIR), the two prompts and single-process references."""
-    from treeattn.hf.haystack import haystack
+    from treeattn.bench.haystack import haystack
     from treeattn.hf.models import load_model, resolve_model
 
     os.environ["TREEATTN_CACHE_DIR"] = str(tmp_path_factory.mktemp("treeattn-cache"))
@@ -79,7 +79,7 @@ QUESTIONS = (
 def smol_doc(smol):
     """One document, two questions: the chat prompts, their common prefix and single-process
     greedy answers."""
-    from treeattn.hf.haystack import QUESTION, doc_questions, haystack
+    from treeattn.bench.haystack import QUESTION, doc_questions, haystack
     from treeattn.hf.models import load_model
 
     model, tok = load_model(smol["dir"])

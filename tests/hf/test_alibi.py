@@ -29,7 +29,7 @@ def tiny(kind: str, dtype=torch.float32):
 
 
 def alibi_worker(base_named: str) -> None:
-    from treeattn.hf import generate
+    from treeattn.decoding import generate
     from treeattn.hf.tensor_parallel import tensor_parallel
 
     rank, p = dist.get_rank(), dist.get_world_size()
@@ -104,8 +104,9 @@ def test_bloom_slow_but_exact_and_mpt_positions():
     without its bias, as transformers does; MPT takes ``max_seq_len`` positions, no more."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from treeattn.hf import Session, generate
+    from treeattn.decoding import generate
     from treeattn.hf.presets import PRESETS
+    from treeattn.runtime import Session
 
     cfg = AutoConfig.for_model("bloom", **PRESETS["tiny-bloom"][1], pretraining_tp=2, slow_but_exact=True)
     torch.manual_seed(0)
@@ -132,7 +133,7 @@ def test_bloom_slow_but_exact_and_mpt_positions():
 @pytest.mark.parametrize("kind", ["bloom", "mpt"])
 def test_the_bias_makes_the_answer(kind, monkeypatch):
     import treeattn.hf.alibi as A
-    from treeattn.hf import generate
+    from treeattn.decoding import generate
 
     m = tiny(kind)
     ids = torch.randint(0, 512, (1, 64), generator=torch.Generator().manual_seed(64))
@@ -158,7 +159,7 @@ def test_mpt_slopes_are_transformers():
 
 
 def test_batched_step_refuses_alibi():
-    from treeattn.hf.batch import BatchRunner
+    from treeattn.runtime.batch import BatchRunner
 
     with pytest.raises(ValueError, match="ALiBi biases in the batched step"):
         BatchRunner(tiny("bloom"))

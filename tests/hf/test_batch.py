@@ -1,4 +1,4 @@
-"""treeattn.hf.BatchRunner: rows joining and leaving at random steps over shared prefixes, on
+"""treeattn.runtime.BatchRunner: rows joining and leaving at random steps over shared prefixes, on
 tiny float64 models at p = 1, 2, 3, both placements, Tree and Ring, with sliding windows and
 softcaps. After every forward each row's logits equal single-process transformers run fresh
 on its whole sequence (the prefix part it reads, then its own tokens), and every rank holds
@@ -49,11 +49,11 @@ def check_row(runner, row: int, seq: list[int], keep: int, owner: list[int], ref
 
 def run_case(kind: str, placement: str, attention: str, seed: int, steps: int, chunk: int | None = 4,
              placed_max: int = 16, split_min: int = 1 << 30) -> None:  # fmt: skip
-    import treeattn.hf.batch as batch
-    from treeattn.hf.batch import BatchRunner
+    import treeattn.runtime.batch as batch
+    from treeattn.runtime.batch import BatchRunner
 
     batch.PLACED_MAX = placed_max  # lines up to this long are stored before the forward (Tree)
-    batch.SPLIT_MIN = split_min  # steps of this many tokens run a share of them per rank (hf._split)
+    batch.SPLIT_MIN = split_min  # steps of this many tokens run a share of them per rank (parallel.split)
 
     p = dist.get_world_size()
     rng = random.Random(seed)

@@ -16,9 +16,9 @@ pytest.importorskip("transformers")
 
 from test_cascade_wide import spy  # noqa: E402
 
-from treeattn.hf.batch import PLACED_MAX, WIDE_LINE, BatchRunner  # noqa: E402
 from treeattn.hf.linear import pack_linears  # noqa: E402
 from treeattn.ops._decode_cpu import kernel_features  # noqa: E402
+from treeattn.runtime.batch import PLACED_MAX, WIDE_LINE, BatchRunner  # noqa: E402
 
 KERNEL = "prefill512" in kernel_features() and os.environ.get("TREEATTN_PREFILL_KERNEL") != "0"
 

@@ -1,5 +1,5 @@
 """A batched step's attention prepares each call site's decode_cpu call at its first layer and
-reuses one state buffer over its layers (``hf._cascade``); its logits are bitwise those of the
+reuses one state buffer over its layers (``runtime._cascade``); its logits are bitwise those of the
 step with neither (every layer through ``attention_state``, a fresh state each), at p = 1 and 2, on
 tiny float32 models with alternating sliding windows and softcaps (gemma2), one window
 (qwen2, some layers), and none (llama): joins, decoding rows, drafts, a row with no prefix, two
@@ -17,8 +17,8 @@ from treeattn.launch import launch  # noqa: E402
 
 
 def _steps(kind: str) -> list:
-    from treeattn.hf.batch import BatchRunner
     from treeattn.hf.presets import build_model
+    from treeattn.runtime.batch import BatchRunner
 
     m = build_model(f"tiny-{kind}", None, torch.float32, seed=0)[0]
     g = torch.Generator().manual_seed(1)
@@ -44,7 +44,7 @@ def _steps(kind: str) -> list:
 
 
 def _compare(kind: str) -> None:
-    import treeattn.hf._cascade as cas
+    import treeattn.runtime._cascade as cas
 
     prepared, attend = cas._prepared, cas.RowsStep._attend
     used, made = [], []

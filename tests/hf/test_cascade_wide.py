@@ -1,4 +1,4 @@
-"""The batched step's shared-prefix pass (``treeattn.hf._cascade.prefix_state``): the tokens of
+"""The batched step's shared-prefix pass (``treeattn.runtime._cascade.prefix_state``): the tokens of
 long lines (``wide``) through the float32 prefill kernel, the others through the decode path,
 against float64 attention on the full K/V (flash-attn's 2x rule), with and without per-token
 window starts; a token's result bitwise the same whatever other tokens share the call, on
@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import treeattn.hf._cascade as C
 import treeattn.ops._prefill_cpu as T
+import treeattn.runtime._cascade as C
 from reference import assert_within_tolerance
 from treeattn.ops._decode_cpu import kernel_features
 from treeattn.ops.attention import attention_state

@@ -1,4 +1,4 @@
-"""The draft-length policy of speculative decoding (treeattn.hf.draft_policy), simulated:
+"""The draft-length policy of speculative decoding (treeattn.decoding.draft_policy), simulated:
 whatever the true acceptance rate and the true cost of a wider step, adaptive drafting
 commits tokens at least 98 % as fast as plain decoding, and where drafts are good and wide
 steps cheap it is far faster; short n-gram matches are not trusted until they pay."""
@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from treeattn.hf.draft_policy import DraftPolicy, evidence
-from treeattn.hf.prompt_lookup import Draft, PromptLookup, _cut, _trie
+from treeattn.decoding.draft_policy import DraftPolicy, evidence
+from treeattn.decoding.prompt_lookup import Draft, PromptLookup, _cut, _trie
 
 
 def simulate(alpha: float, beta: float, kind, steps: int = 3000, k: int = 5, seed: int = 0,
@@ -247,10 +247,10 @@ def test_evidence_of_long_matches_drafts_and_short_ones_wait():
 def test_a_drafted_steps_cost_includes_committing_it(monkeypatch):
     """The policy's cost of a drafted step is the step and its :meth:`Session.keep` (the kept
     tokens' K/V stored into the cache), not the forward alone: a keep slowed by 0.2 s shows."""
-    from treeattn.hf import Session
+    from treeattn.decoding.sampler import Sampler
+    from treeattn.decoding.speculative import Speculator
     from treeattn.hf.presets import build_model
-    from treeattn.hf.sampler import Sampler
-    from treeattn.hf.speculative import Speculator
+    from treeattn.runtime import Session
 
     m = build_model("tiny-llama", None, torch.float64, seed=0)[0]
     s = Session(m)

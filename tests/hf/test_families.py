@@ -38,7 +38,7 @@ def same_on_all_ranks(t: torch.Tensor) -> bool:
 
 
 def families_worker():
-    from treeattn.hf import generate
+    from treeattn.decoding import generate
 
     rank, p = dist.get_rank(), dist.get_world_size()
     models = {k: tiny(k) for k in FAMILIES}

@@ -34,7 +34,7 @@ def reference_tokens(model, ids, new=NEW, **kw):
 
 
 def greedy_worker(prompt_lens):
-    from treeattn.hf import generate
+    from treeattn.decoding import generate
 
     rank, p = dist.get_rank(), dist.get_world_size()
     models = {k: tiny(k) for k in ("llama", "qwen2")}
@@ -75,7 +75,7 @@ def test_greedy_matches_single_process(p):
 
 
 def batch_and_sampling_worker():
-    from treeattn.hf import generate
+    from treeattn.decoding import generate
 
     rank = dist.get_rank()
     m = tiny("llama")

@@ -1,4 +1,4 @@
-"""The static decode step (hf._graph), the body of a CUDA-graph decode step, run eagerly on CPU:
+"""The static decode step (runtime._graph), the body of a CUDA-graph decode step, run eagerly on CPU:
 the same logits as the eager step across spans, cache reallocations, rewinds, kept speculative
 steps and batches; the eager step where it does not apply; no device read (the meta device).
 The captured graphs themselves: tests/gpu/test_gpu_hf.py."""
@@ -8,8 +8,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from treeattn.hf import Session, _graph  # noqa: E402
 from treeattn.hf.presets import build_model  # noqa: E402
+from treeattn.runtime import Session, _graph  # noqa: E402
 
 
 def _pair(kind, dtype=torch.float64):
@@ -81,7 +81,7 @@ def test_static_step_not_taken_where_it_does_not_apply():
 
 
 def test_generate_with_static_steps_gives_the_same_tokens(monkeypatch):
-    from treeattn.hf import generate
+    from treeattn.decoding import generate
 
     calls, step = [], _graph.StaticDecode.__call__
     monkeypatch.setattr(_graph.StaticDecode, "__call__", lambda self, tok: calls.append(1) or step(self, tok))

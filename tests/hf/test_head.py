@@ -28,8 +28,8 @@ def _llama(vocab: int, tied: bool, dtype=torch.float32):
 def head_worker() -> None:
     import treeattn.hf._head as H
     import treeattn.parallel.vocab as VP
-    from treeattn.hf._model import lm_logits
     from treeattn.hf.linear import pack_linears, packing_available
+    from treeattn.hf.model import lm_logits
     from treeattn.ops.linear_cpu import linear_available
 
     rank, p = dist.get_rank(), dist.get_world_size()

@@ -25,10 +25,10 @@ NEW = 10
 def rows_case(whole, m, p: int) -> None:
     """Two rows of the server's batch over one shared prefix (one reads all of it, one a part,
     each with a question of its own), decoded greedily together: each as transformers alone."""
-    import treeattn.hf.batch as batch
-    from treeattn.hf.batch import BatchRunner
+    import treeattn.runtime.batch as batch
+    from treeattn.runtime.batch import BatchRunner
 
-    batch.SPLIT_MIN = 1  # the first step's tokens split over the KVP ranks (hf._split)
+    batch.SPLIT_MIN = 1  # the first step's tokens split over the KVP ranks (parallel.split)
     g = torch.Generator().manual_seed(5)
     prefix = torch.randint(0, 512, (40,), generator=g).tolist()
     asks = {0: (40, torch.randint(0, 512, (5,), generator=g).tolist()), 1: (23, [3, 4, 5])}
@@ -49,8 +49,9 @@ def rows_case(whole, m, p: int) -> None:
 
 def mesh_worker() -> None:
     from treeattn.comm.meter import metering
-    from treeattn.hf import Session, generate
+    from treeattn.decoding import generate
     from treeattn.hf.tensor_parallel import model_mesh, tensor_parallel
+    from treeattn.runtime import Session
 
     rank, p = dist.get_rank(), dist.get_world_size()
     cases = [("llama", "interleaved", "tree", None), ("qwen2", "contiguous", "ring", 8),

@@ -1,4 +1,4 @@
-"""treeattn.hf.penalties against transformers' own logits processors on the same history:
+"""treeattn.decoding.penalties against transformers' own logits processors on the same history:
 repetition_penalty (RepetitionPenaltyLogitsProcessor, prompt and output), logit_bias
 (SequenceBiasLogitsProcessor of one-token sequences), min_tokens (MinNewTokensLengthLogitsProcessor)
 and OpenAI's presence / frequency penalties (their formula in float64), each alone and all
@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (  # noqa: E402
     SequenceBiasLogitsProcessor,
 )
 
-from treeattn.hf.penalties import Penalties  # noqa: E402
+from treeattn.decoding.penalties import Penalties  # noqa: E402
 
 V = 50
 

@@ -24,7 +24,7 @@ pytestmark = NEEDS_SMOL
 
 def real_worker(model_dir, prompts, refs):
     from treeattn.comm.collectives import all_gather
-    from treeattn.hf import generate
+    from treeattn.decoding import generate
     from treeattn.hf.models import load_model
 
     p = dist.get_world_size()
@@ -92,8 +92,8 @@ def test_cli_prompt_file_from_stdin_with_system(smol):
 
 def session_worker(model_dir, prompts, prefix, refs):
     from treeattn.comm.collectives import all_gather
-    from treeattn.hf import Session
     from treeattn.hf.models import load_model
+    from treeattn.runtime import Session
 
     model, _ = load_model(model_dir)
     eos = model.generation_config.eos_token_id
@@ -130,7 +130,7 @@ def test_smollm2_session_document_once_two_questions(smol_doc, p):
 def speculative_worker(model_dir, prompts, refs):
     import copy
 
-    from treeattn.hf import generate
+    from treeattn.decoding import generate
     from treeattn.hf.models import load_model
 
     model, _ = load_model(model_dir)

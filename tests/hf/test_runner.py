@@ -1,4 +1,4 @@
-"""The one model runner (hf.runner.ModelRunner) driven directly over a ShardedKVCache, one kind of
+"""The one model runner (runtime.runner.ModelRunner) driven directly over a ShardedKVCache, one kind of
 step after another (prefill chunks, decode, a token tree, the static step), against transformers'
 own forward in float64; and the step kinds that refuse what they cannot do (ALiBi in the static and
 the batched step)."""
@@ -11,10 +11,10 @@ pytest.importorskip("transformers")
 from test_session import spread  # noqa: E402  (tests/hf: transformers' own spread of exact orders)
 
 from treeattn.cache import ShardedKVCache  # noqa: E402
-from treeattn.hf import ModelRunner, Step  # noqa: E402
-from treeattn.hf._model import tree_of  # noqa: E402
 from treeattn.hf.presets import build_model  # noqa: E402
-from treeattn.hf.steps import Static  # noqa: E402
+from treeattn.runtime import ModelRunner, Step  # noqa: E402
+from treeattn.runtime.inputs import tree_of  # noqa: E402
+from treeattn.runtime.steps import Static  # noqa: E402
 
 
 def _cache(m, B=1):

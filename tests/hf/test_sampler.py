@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from treeattn.hf.sampler import Sampler
+from treeattn.decoding.sampler import Sampler
 
 
 def test_greedy_sampling_and_warpers():

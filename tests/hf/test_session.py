@@ -1,4 +1,4 @@
-"""treeattn.hf.Session: a stateful property test (seeded random sequences of extend, chain and
+"""treeattn.runtime.Session: a stateful property test (seeded random sequences of extend, chain and
 tree steps, keep and rewind) on tiny float64 models at p = 1, 2, 3, both placements, Tree and
 Ring. After every call the logits equal single-process transformers run fresh on the
 committed history (plus the step's ancestors), and every rank's shard holds exactly the
@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from transformers import DynamicCache  # noqa: E402
 
-from treeattn.hf._model import cache_kw  # noqa: E402
+from treeattn.hf.model import cache_kw  # noqa: E402
 from treeattn.launch import launch  # noqa: E402
 
 
@@ -125,7 +125,7 @@ def random_tree(rng: random.Random, T: int) -> list[int]:
 
 def run_case(kind, placement, attention, seed, ops, B=1, ragged=False, chunk=4, max_step=6, prefill=None):
     from treeattn.cache import auto_block
-    from treeattn.hf import Session
+    from treeattn.runtime import Session
 
     p = dist.get_world_size()
     rng = random.Random(seed)
@@ -246,7 +246,7 @@ def same_on_all_ranks(msg: str) -> bool:
 
 
 def bad_calls_worker():
-    from treeattn.hf import Session
+    from treeattn.runtime import Session
 
     rank, p = dist.get_rank(), dist.get_world_size()
     m = tiny64("llama")
@@ -349,8 +349,8 @@ def test_attention_switch_restores_the_models_own(monkeypatch):
     """A session runs treeattn's attention and leaves the model's own in place between calls
     (first call through transformers, later calls by the fast path): plain forwards of the
     same model in between give transformers' logits; a user who chose treeattn keeps it."""
-    from treeattn.hf import Session
     from treeattn.hf.attention import ATTN_NAME
+    from treeattn.runtime import Session
 
     m = tiny64("llama")
     ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(0))

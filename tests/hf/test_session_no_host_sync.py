@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from treeattn.hf import Session  # noqa: E402
 from treeattn.hf.presets import build_model  # noqa: E402
+from treeattn.runtime import Session  # noqa: E402
 
 
 def test_meta_reads_raise():

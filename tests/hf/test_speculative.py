@@ -36,7 +36,7 @@ class Oracle:
         self.n0, self.ref, self.V, self.rng = prompt_len, ref, V, random.Random(seed)
 
     def propose(self, history, k, width):
-        from treeattn.hf.prompt_lookup import _trie
+        from treeattn.decoding.prompt_lookup import _trie
 
         at = len(history) - self.n0  # generated tokens so far, the pending one included
         good = self.ref[at : at + k]
@@ -51,9 +51,10 @@ class Oracle:
 
 
 def spec_worker(seed0):
-    from treeattn.hf import Session, generate
-    from treeattn.hf.sampler import Sampler
-    from treeattn.hf.speculative import Speculator
+    from treeattn.decoding import generate
+    from treeattn.decoding.sampler import Sampler
+    from treeattn.decoding.speculative import Speculator
+    from treeattn.runtime import Session
 
     p = dist.get_world_size()
     rng = random.Random(seed0)
@@ -143,8 +144,8 @@ def test_sampling_is_lossless(monkeypatch):
     with every drafter (a sampled draft chain: the rejection rule; a sampled draft tree of 3
     first tokens: multi-step speculative sampling; prompt lookup: sample and match); a
     verifier with a planted bias fails the same threshold."""
-    from treeattn.hf import generate
-    from treeattn.hf.speculative import Speculator
+    from treeattn.decoding import generate
+    from treeattn.decoding.speculative import Speculator
 
     m = tiny64("llama")
     d = copy.deepcopy(m)  # a draft model that mostly agrees with the target: the residual matters
@@ -196,7 +197,7 @@ def test_sampling_is_lossless(monkeypatch):
 def bad_worker():
     from test_session import same_on_all_ranks
 
-    from treeattn.hf import generate
+    from treeattn.decoding import generate
     from treeattn.hf.presets import build_model
 
     m = tiny64("llama")
@@ -218,9 +219,9 @@ def bad_worker():
         generate(m, ids.expand(2, -1), max_new_tokens=4, speculate="prompt-lookup")
     assert same_on_all_ranks(str(e.value))
     # a drafter that fails on rank 0 fails every rank (nobody waits in the broadcast)
-    from treeattn.hf import Session
-    from treeattn.hf.sampler import Sampler
-    from treeattn.hf.speculative import Speculator
+    from treeattn.decoding.sampler import Sampler
+    from treeattn.decoding.speculative import Speculator
+    from treeattn.runtime import Session
 
     class Broken:
         def propose(self, history, k, width):
@@ -294,7 +295,7 @@ def contrastive_reference(m, ids, new: int, alpha: float, k: int) -> list[int]:
 
 
 def contrastive_worker():
-    from treeattn.hf import generate
+    from treeattn.decoding import generate
 
     p = dist.get_world_size()
     for i, (kind, placement, attention) in enumerate(

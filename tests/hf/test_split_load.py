@@ -36,7 +36,8 @@ def _save(tmp, preset: str, shard: str | None, tie: bool) -> str:
 
 
 def split_worker(dirs: list[str], broken: str) -> None:
-    from treeattn.hf import generate, load_split
+    from treeattn.decoding import generate
+    from treeattn.hf import load_split
     from treeattn.hf import split_load as sl
     from treeattn.hf.models import load_model
     from treeattn.hf.tensor_parallel import tensor_parallel, tensor_parallel_ranks

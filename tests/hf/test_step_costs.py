@@ -1,14 +1,14 @@
-"""The one step-cost model and the one verification of speculative decoding (hf.step_costs,
-hf.speculative.follow), shared by generate's DraftPolicy and the server's BatchDrafts."""
+"""The one step-cost model and the one verification of speculative decoding (decoding.step_costs,
+decoding.speculative.follow), shared by generate's DraftPolicy and the server's BatchDrafts."""
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
-from treeattn.hf.draft_policy import DraftPolicy  # noqa: E402
-from treeattn.hf.speculative import follow  # noqa: E402
-from treeattn.hf.step_costs import BETA0, Rate, StepCosts, expected_tokens  # noqa: E402
+from treeattn.decoding.draft_policy import DraftPolicy  # noqa: E402
+from treeattn.decoding.speculative import follow  # noqa: E402
+from treeattn.decoding.step_costs import BETA0, Rate, StepCosts, expected_tokens  # noqa: E402
 from treeattn.serve.drafts import BatchDrafts, verify  # noqa: E402
 
 

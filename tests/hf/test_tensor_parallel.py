@@ -61,7 +61,7 @@ def vocab_case(whole, m, p: int) -> None:
 
 def tp_worker() -> None:
     from treeattn.comm.collectives import all_gather
-    from treeattn.hf import generate
+    from treeattn.decoding import generate
     from treeattn.hf.linear import pack_linears
     from treeattn.hf.tensor_parallel import tensor_parallel, tensor_parallel_ranks
     from treeattn.parallel.tensor import RowParallel
@@ -135,7 +135,7 @@ def tp_worker() -> None:
     with pytest.raises(ValueError, match="split already"):
         tensor_parallel(m)
     groups = [dist.new_group([r]) for r in range(p)]
-    from treeattn.hf import Session
+    from treeattn.runtime import Session
 
     with pytest.raises(ValueError, match=f"split over {p} ranks .* the group has 1"):
         Session(m, groups[rank])

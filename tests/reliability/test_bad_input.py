@@ -136,7 +136,7 @@ def _store_before_step():
 
 def _generate(**kw):
     def fn():
-        from treeattn.hf import generate
+        from treeattn.decoding import generate
 
         args = dict(input_ids=torch.ones(2, 5, dtype=torch.int64), max_new_tokens=4)
         args.update(kw)

@@ -9,9 +9,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from treeattn.hf.draft_policy import PROBE  # noqa: E402
+from treeattn.decoding.draft_policy import PROBE  # noqa: E402
+from treeattn.decoding.speculative import DraftModel  # noqa: E402
 from treeattn.hf.presets import build_model  # noqa: E402
-from treeattn.hf.speculative import DraftModel  # noqa: E402
 from treeattn.serve.drafts import MODEL, BatchDrafts, DraftPool, RowDrafts  # noqa: E402
 
 

@@ -289,7 +289,7 @@ def test_engine_draft_model_changes_no_answer(monkeypatch):
     the target itself drafting (greedy drafts accepted) and with another random model (mostly
     rejected), fixed and adaptive. The draft model runs the document once: the other requests
     fork the first one's cache, and a second round reuses the idle caches."""
-    from treeattn.hf.speculative import DraftModel
+    from treeattn.decoding.speculative import DraftModel
 
     model = _model()
     other = build_model(MODEL, None, torch.float32, 7)[0]
@@ -331,7 +331,7 @@ def test_engine_draft_model_changes_no_answer(monkeypatch):
         assert len(eng.sched.drafters.busy) == 0 and 0 < eng.sched.drafters.held() <= eng.draft_tokens
     with pytest.raises(ValueError, match="vocabulary"):
         Engine(model, None, kw, num_draft=4, draft_model=build_model("small-llama", None, torch.float32, 0)[0])
-    for bad in (-1, 16, 2.0):  # a token and its draft: one placed line (hf.batch.PLACED_MAX)
+    for bad in (-1, 16, 2.0):  # a token and its draft: one placed line (runtime.batch.PLACED_MAX)
         with pytest.raises(ValueError, match=r"num_draft must be an int in \[0, 15\]"):
             Engine(model, None, kw, num_draft=bad)
 
@@ -586,7 +586,7 @@ def _hostile() -> list[tuple[str, str, dict | bytes]]:
 
 def _by_hand(model, ids: list[int], n: int, sampler=None) -> list[int]:
     """``n`` tokens of single-process transformers, one full forward per token (no EOS stop),
-    chosen by ``sampler`` (:class:`treeattn.hf.sampler.Sampler`; None: greedy)."""
+    chosen by ``sampler`` (:class:`treeattn.decoding.sampler.Sampler`; None: greedy)."""
     out = list(ids)
     with torch.no_grad():
         for _ in range(n):
@@ -601,7 +601,7 @@ def test_lenient_requests_and_sampling_extras(tiny_server):
     vLLM's sampling extras reach the row's sampler: top_k = 1 and min_p = 1 are greedy
     decoding, typical_p and eta_cutoff draw exactly what transformers' warpers and the same
     seed draw, stop_token_ids end the answer at that token, ignore_eos runs to max_tokens."""
-    from treeattn.hf.sampler import Sampler
+    from treeattn.decoding.sampler import Sampler
 
     s = tiny_server
     model = _model()
@@ -669,7 +669,7 @@ def test_penalties_and_logit_bias_match_transformers(tiny_server):
     and seeded answers, streamed and not, equal single-process transformers with its own
     processors (RepetitionPenalty, SequenceBias, MinNewTokensLength, and the OpenAI formula)
     on the same history; min_tokens holds back EOS, stop tokens and stop strings."""
-    from treeattn.hf.sampler import Sampler
+    from treeattn.decoding.sampler import Sampler
 
     s = tiny_server
     model = _model()

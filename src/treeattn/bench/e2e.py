@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 
 def worker(cfg: dict, prompt_lens: list[int], out_path: str) -> None:
-    from ..hf import generate
+    from ..decoding import generate
     from ..hf.presets import build_model
 
     r, p = dist.get_rank(), dist.get_world_size()

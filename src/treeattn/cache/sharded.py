@@ -300,7 +300,7 @@ class ShardedKVCache:
     def store_at(self, layer: int, k: Tensor, v: Tensor, slot: Tensor) -> None:
         """Store K/V ``[B, Hkv, 1, D]`` of ``layer`` at the local slot ``slot`` (``[1]`` int64 on the
         cache's device, the same for every sequence): a store whose slot the host does not pass
-        (a captured decode step, :mod:`treeattn.hf._graph`). The host metadata is
+        (a captured decode step, :mod:`treeattn.runtime._graph`). The host metadata is
         :meth:`begin_decode_step`'s."""
         # the slot is read on the device when the kernel runs (a replayed graph reads it anew)
         self.k[layer].scatter_(2, slot.view(1, 1, 1, 1).expand(k.shape), k)

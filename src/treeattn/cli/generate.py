@@ -168,7 +168,7 @@ def _check_fit(a, cfg, L: int, new: int, batch: int) -> None:
 
 def worker(a: argparse.Namespace, job: Prepared, local: bool) -> None:
     from ..cache import auto_block
-    from ..hf.generate import generate
+    from ..decoding.generate import generate
 
     rank, p = dist.get_rank(), dist.get_world_size()
     model, tok = rank_model(a, job.model_dir)

@@ -99,7 +99,7 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def worker(a: argparse.Namespace, model_dir: str | None, local: bool) -> None:
-    from ..hf.generate import eos_ids
+    from ..decoding.generate import eos_ids
     from ..serve.engine import Engine, RankFailure
 
     rank, p = dist.get_rank(), dist.get_world_size()

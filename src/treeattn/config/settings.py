@@ -66,7 +66,7 @@ class Sampling(_Settings):
 @dataclass(frozen=True)
 class Speculation(_Settings):
     """Speculative decoding: who drafts (None: nobody), how deep, how wide (the fields are
-    :func:`treeattn.hf.generate`'s keywords)."""
+    :func:`treeattn.decoding.generate`'s keywords)."""
 
     speculate: str | None = setting(None, "speculative decoding: drafts from earlier n-grams (prompt-lookup) or a "
                                  "--draft-model, verified in one forward per step (greedy output unchanged, "

@@ -11,9 +11,20 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..cache import ShardedKVCache
 from .families import layer_window
-from .steps import Step
 
 ATTN_NAME = "treeattn"
+
+
+class Step:
+    """One forward's kind: how its layers store their new K/V and attend. ``q [B, Hq, T, D]``,
+    the new tokens' ``k, v [B, Hkv, T, D]``; :meth:`attend` returns ``[B, Hq, T, Dv]``."""
+
+    def store(self, layer: int, k: Tensor, v: Tensor) -> None:
+        raise NotImplementedError
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float | None, window: int | None,
+               softcap: float | None, alibi: Tensor | None) -> Tensor:  # fmt: skip
+        raise NotImplementedError
 
 
 class _Layer(CacheLayerMixin):
@@ -30,7 +41,7 @@ class _Layer(CacheLayerMixin):
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         ctx = self.owner.ctx
         if ctx is None:
-            raise RuntimeError("TreeAttnCache is driven by a treeattn.hf.Session (no step context set)")
+            raise RuntimeError("TreeAttnCache is driven by a treeattn.runtime.Session (no step context set)")
         ctx.store(self.idx, key_states, value_states)
         return key_states, value_states
 
@@ -71,7 +82,7 @@ def treeattn_attention(
     and ``softcap``. ``query [B, Hq, T, D]``; returns ``[B, T, Hq, D]``."""
     ctx: Step | None = kwargs.get("treeattn_ctx")
     if ctx is None:
-        raise RuntimeError("the 'treeattn' attention implementation runs inside a treeattn.hf.Session")
+        raise RuntimeError("the 'treeattn' attention implementation runs inside a treeattn.runtime.Session")
     _refuse(module, dropout, kwargs)
     slopes = kwargs.get("alibi")  # ALiBi slopes of this rank's query heads (hf.alibi's layers pass them)
     out = ctx.attend(module.layer_idx, query, key, value, scaling, layer_window(module, kwargs), kwargs.get("softcap"),

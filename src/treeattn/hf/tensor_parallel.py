@@ -121,13 +121,13 @@ def tensor_parallel(model: nn.Module, group: dist.ProcessGroup | None = None, tp
     """Split ``model``'s MLP and attention output projection weights over the ranks of
     ``group`` (in place, returned; call on every rank with the same model, before packing its
     linears: :func:`treeattn.hf.linear.pack_linears`). Afterwards every forward of the model is
-    collective over ``group``: run it on every rank alike (a :class:`~treeattn.hf.Session` over
+    collective over ``group``: run it on every rank alike (a :class:`~treeattn.runtime.Session` over
     the same group does), never on one rank alone.
 
     ``tpa`` > 1 also splits the attention heads over ``tpa`` slices of ranks (Helix's TPA x
     KVP mesh, :mod:`treeattn.parallel.mesh`; ``tpa`` divides the ranks and the KV heads; the
     default process group only): each rank computes Q/K/V for its slice's heads, and a
-    :class:`~treeattn.hf.Session` shards each slice's K/V along the sequence over the slice's
+    :class:`~treeattn.runtime.Session` shards each slice's K/V along the sequence over the slice's
     ``p / tpa`` ranks. Each rank then holds ``1/tpa`` of the K/V heads of ``tpa / p`` of the
     sequence: the same K/V bytes as ``tpa`` = 1, ``1/tpa`` of the Q/K/V weights.
 

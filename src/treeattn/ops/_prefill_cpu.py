@@ -12,7 +12,7 @@ queries over 1k-7k keys. Anything else (other dtypes, softcap, non-finite keys o
 value dims not a multiple of 64, an explicit backend, no AVX-512, ``TREEATTN_PREFILL_KERNEL=0``,
 shapes that do not match, inputs that need gradients, a failed scratch allocation) returns None
 and keeps the PyTorch path. The batched step's shared-prefix pass
-(:func:`treeattn.hf._cascade.prefix_state`) calls it too, with ``check=False``: it checks the
+(:func:`treeattn.runtime._cascade.prefix_state`) calls it too, with ``check=False``: it checks the
 result instead of the keys and values."""
 
 from __future__ import annotations

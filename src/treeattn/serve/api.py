@@ -28,7 +28,7 @@ gets its 400 without touching the running one (and no value can overflow the int
 - vLLM's sampling extras ``top_k`` (-1 or 0: off), ``min_p``, ``typical_p``, ``eta_cutoff``,
   ``repetition_penalty``, ``min_tokens``, ``stop_token_ids`` and ``ignore_eos`` are honoured,
   per request, and so are OpenAI's ``presence_penalty``, ``frequency_penalty`` and
-  ``logit_bias`` (:mod:`treeattn.hf.penalties`).
+  ``logit_bias`` (:mod:`treeattn.decoding.penalties`).
 
 A body that is not JSON, or nests too deeply to parse, is a 400 too; error bodies are ASCII
 JSON, so an odd character in a request never makes its error unprintable.

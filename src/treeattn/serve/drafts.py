@@ -19,7 +19,7 @@ and so is a draft model's time per drafted token; rows are taken best evidence f
 row drafts ``d`` tokens only if the batch's expected tokens per second rise by
 :data:`MARGIN`. The acceptance of each request is tracked per kind of evidence (prompt
 lookup: how far back its match agrees, 1, 2, 3, 4-5 or 6 and more tokens; a draft model: one
-kind), in :class:`~treeattn.hf.draft_policy.DraftPolicy`'s counts: sceptical of matches
+kind), in :class:`~treeattn.decoding.draft_policy.DraftPolicy`'s counts: sceptical of matches
 shorter than 6 tokens, recent steps weighing most, starting from what the server's earlier
 drafts did; a request that stopped drafting gets a one-token probe now and then.
 
@@ -36,11 +36,11 @@ import time
 
 import torch
 
-from ..hf.draft_policy import PROBE, DraftPolicy
+from ..decoding.draft_policy import PROBE, DraftPolicy
+from ..decoding.prompt_lookup import PromptLookup
+from ..decoding.speculative import DraftModel, follow
+from ..decoding.step_costs import MARGIN, Rate, StepCosts, expected_tokens
 from ..hf.families import max_positions
-from ..hf.prompt_lookup import PromptLookup
-from ..hf.speculative import DraftModel, follow
-from ..hf.step_costs import MARGIN, Rate, StepCosts, expected_tokens
 
 # MARGIN (generate's too): the batch's tokens per second must rise 2 %. Replayed over 4 requests at
 # once with the step costs a server measured (benchmarks/server_draft_replay.py, docs/benchmarks.md
@@ -201,7 +201,7 @@ class BatchDrafts:
     (``fixed``: every candidate draft whole, no cost model)."""
 
     def __init__(self, fixed: bool = False) -> None:
-        self.costs = StepCosts()  # tokens in a decode-only step -> EMA seconds (hf.step_costs: generate's model)
+        self.costs = StepCosts()  # tokens in a decode-only step -> EMA seconds (decoding.step_costs: generate's model)
         self.fixed = fixed
         self.pool = DraftPolicy(1)  # acceptance by evidence over every request (its counts only)
         self.drafting = Rate()  # a draft model's seconds per drafted token (0: none measured yet)
@@ -280,6 +280,6 @@ class BatchDrafts:
 
 def verify(logits: torch.Tensor, draft: list[int], choose) -> list[int]:
     """The tokens a step emits for a line of the pending token and ``draft`` (a chain):
-    :func:`treeattn.hf.speculative.follow`'s accepted draft tokens and the target's next."""
+    :func:`treeattn.decoding.speculative.follow`'s accepted draft tokens and the target's next."""
     path, nxt = follow(logits, [-1] + draft, list(range(-1, len(draft))), choose)
     return draft[: len(path) - 1] + [nxt]

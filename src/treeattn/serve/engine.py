@@ -5,7 +5,7 @@ Rank 0 takes requests from a queue (filled by the HTTP layer) and plans every st
 chunk of a new prefix (a sharded prefill), and the lines of one forward: a token for every
 running request and chunks of the joining requests' own prompts. The plan reaches the other
 ranks as two int64 broadcasts (nothing is pickled) and every rank, rank 0 included, executes
-it on its :class:`~treeattn.hf.batch.BatchRunner`, whose queries read each shared prefix
+it on its :class:`~treeattn.runtime.batch.BatchRunner`, whose queries read each shared prefix
 once per step. A long new prompt is prefilled a chunk per step between the decode steps of
 the others. Nothing here knows about HTTP.
 """
@@ -25,8 +25,8 @@ from ..cache.placement import Placement
 from ..comm.collectives import CollectiveError, broadcast, world
 from ..comm.validate import agree
 from ..config import Layout, Sampling, Serving
-from ..hf.batch import BatchRunner
-from ..hf.penalties import penalty_problem
+from ..decoding.penalties import penalty_problem
+from ..runtime.batch import BatchRunner
 from .plan import MAX_DRAFT, Plan
 from .request import BadRequest, Request
 from .scheduler import Scheduler
@@ -45,7 +45,7 @@ class Engine:
 
     Args:
         model: the causal LM (same weights on every rank).
-        session_kw: keyword arguments of every prefix's :class:`~treeattn.hf.Session`
+        session_kw: keyword arguments of every prefix's :class:`~treeattn.runtime.Session`
             (placement, attention, strategy, prefill_chunk, block, prefill).
         cache_tokens: KV tokens per rank the prefixes and the running requests may hold
             together (a shared prefix counts once); least recently used prefixes that no

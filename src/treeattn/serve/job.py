@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..hf.penalties import Penalties
-from ..hf.sampler import Sampler
+from ..decoding.penalties import Penalties
+from ..decoding.sampler import Sampler
 from .drafts import RowDrafts
 from .request import Request, first_stop, safe_prefix
 

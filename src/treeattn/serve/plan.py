@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 # The most tokens a request drafts per step: a token and its draft make one line of at most
-# ``treeattn.hf.batch.PLACED_MAX`` tokens, placed as a lone decode token is (its own tokens
+# ``treeattn.runtime.batch.PLACED_MAX`` tokens, placed as a lone decode token is (its own tokens
 # attended on their owners; its shared-prefix pass the decode path, as for every line with logits
 # at every token).
 MAX_DRAFT = 15

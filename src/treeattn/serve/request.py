@@ -36,12 +36,12 @@ class Request:
     temperature: float = 1.0
     top_p: float | None = None
     seed: int | None = None
-    top_k: int | None = None  # the further warpers, as :class:`~treeattn.hf.sampler.Sampler` applies them
+    top_k: int | None = None  # the further warpers, as :class:`~treeattn.decoding.sampler.Sampler` applies them
     min_p: float | None = None
     typical_p: float | None = None
     eta_cutoff: float | None = None
     logprobs: int | None = None
-    presence_penalty: float = 0.0  # the history's processors (:class:`~treeattn.hf.penalties.Penalties`)
+    presence_penalty: float = 0.0  # the history's processors (:class:`~treeattn.decoding.penalties.Penalties`)
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)

@@ -30,8 +30,8 @@ import time
 
 import torch
 
-from ..hf.penalties import Penalties
-from ..hf.sampler import Sampler
+from ..decoding.penalties import Penalties
+from ..decoding.sampler import Sampler
 from .budget import KVBudget
 from .drafts import BatchDrafts, DraftPool, RowDrafts, verify
 from .job import Job, chooser
@@ -40,7 +40,7 @@ from .request import BadRequest, Request
 
 
 class Scheduler(KVBudget):
-    """Rank 0's bookkeeping over the engine's :class:`~treeattn.hf.batch.BatchRunner` (which
+    """Rank 0's bookkeeping over the engine's :class:`~treeattn.runtime.batch.BatchRunner` (which
     rank 0 runs too, so the prefixes' contents are known here exactly)."""
 
     def __init__(self, engine) -> None:

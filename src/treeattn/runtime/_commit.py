@@ -1,4 +1,4 @@
-"""Committing the kept tokens of a :class:`~treeattn.hf.Session` step: each kept token's K/V
+"""Committing the kept tokens of a :class:`~treeattn.runtime.Session` step: each kept token's K/V
 (and last hidden state, where the session keeps them) stored at the rank and slot the cache's
 placement gives its position; one slice copy a layer where the kept tokens and their slots
 are both runs (one sequence, a chain's prefix on this rank), else a gather and a scatter."""

@@ -1,4 +1,4 @@
-"""Contrastive search (Su et al. 2022) over a :class:`treeattn.hf.Session`: the ``top_k``
+"""Contrastive search (Su et al. 2022) over a :class:`treeattn.runtime.Session`: the ``top_k``
 likeliest next tokens run in one :meth:`Session.step` as a depth-1 token tree (each sees the
 history and only itself), each is scored ``(1 - alpha) * p(v) - alpha * max_j cos(h_v, h_j)``
 over the last hidden states ``h_j`` of every earlier token, and the best is kept.

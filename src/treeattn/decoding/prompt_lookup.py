@@ -1,7 +1,7 @@
 """Drafts, and the drafter that needs no model: a :class:`Draft` is a chain or a token tree
 after the pending token, and :class:`PromptLookup` proposes one from the sequence itself (the
 continuation of its latest n-gram found earlier: a document the answer quotes, or the answer's
-own repetitions). :mod:`treeattn.hf.speculative` verifies drafts in one step; the batched
+own repetitions). :mod:`treeattn.decoding.speculative` verifies drafts in one step; the batched
 server (:mod:`treeattn.serve.drafts`) drafts with the same lookup."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class PromptLookup:
     sequence, as transformers' ``prompt_lookup_num_tokens``, except which earlier match: the one
     whose context agrees furthest back (up to ``max_context`` tokens; the earliest among equals),
     whose continuation is the likeliest, and the draft's ``match`` is that context's length, the
-    evidence :class:`~treeattn.hf.draft_policy.DraftPolicy` weighs (an answer that quotes the
+    evidence :class:`~treeattn.decoding.draft_policy.DraftPolicy` weighs (an answer that quotes the
     document matches 6 and more tokens back, a coincidental phrase 3). Where no match agrees 6
     tokens back, a match of 2 or 3 tokens whose agreement goes on past one edit (up to
     :data:`_EDIT` tokens the answer inserted, dropped or changed) to :data:`RESUMED` tokens in

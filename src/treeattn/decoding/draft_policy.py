@@ -10,9 +10,9 @@ Both sides are measured on rank 0 as the generation runs:
 
 - **cost**: each step's wall time by its token count (collective waits included: what the
   step really costs on this machine), and the drafter's time per drafted token, in the one
-  step-cost model of speculation (:mod:`treeattn.hf.step_costs`, the server's too). The first
+  step-cost model of speculation (:mod:`treeattn.decoding.step_costs`, the server's too). The first
   step is plain, to measure the yardstick; while only plain steps were seen, each extra token
-  is priced at :data:`~treeattn.hf.step_costs.BETA0` of a plain step, so only strong evidence
+  is priced at :data:`~treeattn.decoding.step_costs.BETA0` of a plain step, so only strong evidence
   drafts before a wide step was measured.
 - **acceptance**, per kind of evidence: prompt lookup's drafts by how far back their match
   agrees with the text (:func:`evidence`: 1, 2, 3, 4-5 or 6 and more tokens; a coincidental

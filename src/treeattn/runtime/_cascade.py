@@ -32,8 +32,8 @@ from ..comm.strategies import reduce_states
 from ..ops import DecodeCall, attention_state, prefill_states, prepare_decode
 from ..ops.state import empty_state, merge_into
 from ..parallel import ring_decode
+from ..parallel.split import gather_qkv
 from ..parallel.tree import new_token_state
-from ._split import gather_qkv
 from .steps import Step, no_alibi
 
 # The prefix pass of the tokens of prompt chunks (``batch.WIDE_LINE`` tokens or more, logits at
@@ -101,7 +101,7 @@ class RowsStep(Step):
     strategy: str = "auto"
     group: dist.ProcessGroup | None = None
     stash: dict = field(default_factory=dict)  # layer -> (k, v) [1, Hkv, N, D] of the new tokens
-    cut: list[int] | None = None  # the tokens split over the ranks (hf._split): rank r ran [cut[r], cut[r + 1])
+    cut: list[int] | None = None  # the tokens split over the ranks (parallel.split): rank r ran [cut[r], cut[r + 1])
     wide: Tensor | None = None  # [N] bool (host): the tokens whose prefix pass may take the prefill kernel
     _win: dict = field(default_factory=dict)
     _memo: dict = field(default_factory=dict)  # per call site: what every layer of the step shares

@@ -1,4 +1,4 @@
-"""The kinds of step a :class:`~treeattn.hf.runner.ModelRunner` runs, each one forward of the
+"""The kinds of step a :class:`~treeattn.runtime.runner.ModelRunner` runs, each one forward of the
 transformers model with the ``"treeattn"`` attention implementation. A step is a value the
 layers read (passed as the model kwarg ``treeattn_ctx``): :meth:`Step.store` is what a layer
 does with its new K/V (through the transformers Cache), :meth:`Step.attend` how it attends.
@@ -7,7 +7,7 @@ does with its new K/V (through the transformers Cache), :meth:`Step.attend` how 
 - :class:`Decode`: one token per sequence, stored on its owner first, then attended over the cache.
 - :class:`TokenTree`: tentative tokens (a chain or a token tree) after the cache, kept aside.
 - :class:`Static`: a decode step whose slot, position and length sit on the device (a CUDA graph).
-- :class:`~treeattn.hf._cascade.RowsStep`: a batched step of many rows over shared prefixes.
+- :class:`~treeattn.runtime._cascade.RowsStep`: a batched step of many rows over shared prefixes.
 """
 
 from __future__ import annotations
@@ -19,20 +19,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..cache import ShardedKVCache
+from ..hf.attention import Step
 from ..ops.alibi import Alibi
 from ..parallel import ring_decode, ring_prefill, tree_decode, tree_prefill
-
-
-class Step:
-    """One forward's kind: how its layers store their new K/V and attend. ``q [B, Hq, T, D]``,
-    the new tokens' ``k, v [B, Hkv, T, D]``; :meth:`attend` returns ``[B, Hq, T, Dv]``."""
-
-    def store(self, layer: int, k: Tensor, v: Tensor) -> None:
-        raise NotImplementedError
-
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float | None, window: int | None,
-               softcap: float | None, alibi: Tensor | None) -> Tensor:  # fmt: skip
-        raise NotImplementedError
 
 
 def no_alibi(step: Step, alibi: Tensor | None) -> None:
@@ -137,7 +126,7 @@ class TokenTree(Decode):
 
     def chain(self) -> bool:
         """The block is a chain (token i at depth i: each sees the tokens before it)."""
-        if "chain" not in self.masks:  # depth is host metadata (hf._model.tree_of)
+        if "chain" not in self.masks:  # depth is host metadata (runtime.inputs.tree_of)
             self.masks["chain"] = bool(torch.equal(self.depth, torch.arange(len(self.depth))))
         return self.masks["chain"]
 
@@ -160,7 +149,7 @@ class TokenTree(Decode):
 @dataclass
 class Static(Decode):
     """A decode step at p = 1 whose new token's ``slot [1]``, position ``pos [B]`` (its slot) and
-    ``kv_lens`` are on the device, reading ``span`` slots (:mod:`treeattn.hf._graph`): nothing the
+    ``kv_lens`` are on the device, reading ``span`` slots (:mod:`treeattn.runtime._graph`): nothing the
     host passes changes between replays of a captured graph."""
 
     span: int = 0

@@ -24,7 +24,7 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
-from ._model import lm_logits
+from ..hf.model import lm_logits
 from .steps import Static
 
 QUANTUM = 256  # spans are multiples of this (or of an eighth of the length, when larger)
@@ -48,7 +48,7 @@ def usable(fw, hidden_store) -> bool:
 
 
 class StaticDecode:
-    """The decode step of one :class:`~treeattn.hf.runner.ModelRunner` with static buffers;
+    """The decode step of one :class:`~treeattn.runtime.runner.ModelRunner` with static buffers;
     captured per span on CUDA when ``graphs``."""
 
     def __init__(self, fw, graphs: bool) -> None:

@@ -6,7 +6,7 @@ the first ``keep`` tokens of one prefix (or none) and holds its own tokens in a
 :class:`~treeattn.cache.RowCache`, laid out as if they continued the prefix. One call of
 :meth:`BatchRunner.run` runs ``T`` new tokens for each of several rows in one forward: the
 rows reading the same prefix attend to it together (one pass over its K/V per rank,
-:mod:`treeattn.hf._cascade`), and with Tree Attention every layer crosses the ranks in one
+:mod:`treeattn.runtime._cascade`), and with Tree Attention every layer crosses the ranks in one
 reduction, as for a single sequence.
 
 Every rank makes the same calls with the same arguments in the same order (the server's
@@ -22,14 +22,14 @@ from torch import Tensor
 
 from ..cache import Placement, RowCache
 from ..comm.collectives import world
-from . import _model as S
+from ..hf import model as S
+from ..hf.alibi import alibi_layers
+from ..hf.families import max_positions
+from ..hf.tensor_parallel import kv_heads_here
+from ..parallel.split import cuts
 from ._cascade import PrefixGroup, RowsStep, Shape
-from ._split import cuts
-from .alibi import alibi_layers
-from .families import max_positions
 from .runner import ModelRunner
 from .session import Session
-from .tensor_parallel import kv_heads_here
 
 # Lines of at most this many tokens (decode steps, drafts to verify, short chunks) are placed
 # before the forward: each token is stored on its owner and attended there with the row's
@@ -38,12 +38,12 @@ from .tensor_parallel import kv_heads_here
 # not a bound per query over the row's keys).
 PLACED_MAX = 16
 # Steps of at least this many tokens run their per-token layers (linear layers, norms, MLPs) on a
-# 1/p share of the tokens per rank (:mod:`treeattn.hf._split`) instead of all of them on every
+# 1/p share of the tokens per rank (:mod:`treeattn.parallel.split`) instead of all of them on every
 # rank; smaller steps are bound by reading the weights, which every rank does either way.
 SPLIT_MIN = 32
 # Lines of at least this many tokens that want logits at their last token only (prompt chunks, not
 # drafts) run their shared-prefix pass through the prefill kernel where it applies
-# (:func:`treeattn.hf._cascade.prefix_state`); the choice depends on the line alone, so a row gets
+# (:func:`treeattn.runtime._cascade.prefix_state`); the choice depends on the line alone, so a row gets
 # the same bits whatever shares its step.
 WIDE_LINE = 8
 

@@ -1,13 +1,13 @@
 """The one object that runs a model's forwards over the sharded K/V: :class:`ModelRunner`.
 
-Every kind of step (:mod:`treeattn.hf.steps`) is one forward of the transformers model with
+Every kind of step (:mod:`treeattn.runtime.steps`) is one forward of the transformers model with
 the ``"treeattn"`` attention implementation reading the step: a chunk of prompt tokens as
 chunked, sharded prefill (Tree or Ring per chunk), one new token per sequence as a decode step
-(or its static, graph-captured form, :mod:`treeattn.hf._graph`), a block of tentative tokens (a
+(or its static, graph-captured form, :mod:`treeattn.runtime._graph`), a block of tentative tokens (a
 chain or a token tree) kept aside, and the batched rows of the server over shared prefixes
-(:class:`~treeattn.hf._cascade.RowsStep`, built by :class:`~treeattn.hf.batch.BatchRunner`). The
+(:class:`~treeattn.runtime._cascade.RowsStep`, built by :class:`~treeattn.runtime.batch.BatchRunner`). The
 decoder call, the attention switch, the tensor-parallel token split and the LM head are here only;
-what is committed and kept is the caller's (:class:`~treeattn.hf.Session`, the batch)."""
+what is committed and kept is the caller's (:class:`~treeattn.runtime.Session`, the batch)."""
 
 from __future__ import annotations
 
@@ -20,17 +20,18 @@ from torch import Tensor
 
 from ..cache import ShardedKVCache
 from ..comm.collectives import all_reduce, world
+from ..hf.alibi import alibi_layers
+from ..hf.attention import AttnSwitch, TreeAttnCache
+from ..hf.model import cache_kw, lm_logits
+from ..parallel.split import gather_rows
 from ..parallel.tensor import sharded_tokens
 from . import _graph
-from ._model import cache_kw, lm_logits, prefill_windows
-from ._split import gather_rows
-from .alibi import alibi_layers
-from .attention import AttnSwitch, TreeAttnCache
+from .inputs import prefill_windows
 from .steps import Decode, Prefill, Step, TokenTree
 
 if TYPE_CHECKING:
     from ._cascade import RowsStep
-from .tensor_parallel import kv_heads_here, model_mesh, sequence_group
+from ..hf.tensor_parallel import kv_heads_here, model_mesh, sequence_group
 
 _FLOPS_PER_BYTE = 30  # attention flops one rank does while gloo moves a byte (2-core host, order of magnitude)
 
@@ -166,7 +167,7 @@ class ModelRunner:
         return self.logits(hidden)
 
     def step(self, tokens: Tensor, tree: tuple[list[int], Tensor, Tensor], committed: Tensor) -> tuple:
-        """Tentative ``tokens [B, T]`` in the token tree ``tree`` (:func:`~treeattn.hf._model.tree_of`)
+        """Tentative ``tokens [B, T]`` in the token tree ``tree`` (:func:`~treeattn.runtime.inputs.tree_of`)
         after ``committed [B]`` tokens, nothing stored: ``(logits [B, T, V], hidden, K/V per layer)``."""
         _, depth, sees = tree
         c = self.cache
@@ -177,7 +178,7 @@ class ModelRunner:
         return self.logits(hidden), hidden, ctx.stash
 
     def rows(self, step: RowsStep, ids: list[int], pos: Tensor, want: list[int]) -> Tensor:
-        """A batched step of the server (:class:`~treeattn.hf.batch.BatchRunner`): the flat tokens
+        """A batched step of the server (:class:`~treeattn.runtime.batch.BatchRunner`): the flat tokens
         ``ids`` at positions ``pos [N]`` as one sequence of ``step``'s lines, each rank running its
         ``step.cut`` of them (None: all), the per-token layers gathering the others' (tensor
         parallel); float32 logits at the flat token indices ``want``."""

@@ -1,5 +1,5 @@
 """What speculation weighs, measured as it runs: the one step-cost model of ``generate``'s
-:class:`~treeattn.hf.draft_policy.DraftPolicy` and the server's batch drafting
+:class:`~treeattn.decoding.draft_policy.DraftPolicy` and the server's batch drafting
 (:class:`treeattn.serve.drafts.BatchDrafts`).
 
 A step's wall time by its token count is an EMA per count (:class:`StepCosts`); a count not

@@ -11,12 +11,13 @@ from torch import Tensor
 from ..comm.collectives import world
 from ..comm.validate import agree
 from ..config import Layout, Sampling, Speculation
-from ._model import checksum, model_problem, right_padded
+from ..hf.families import max_positions
+from ..hf.model import model_problem
+from ..runtime.inputs import checksum, right_padded
+from ..runtime.session import Session
 from .decoders import Contrastive, Decoder, GenerationStats, Plain, Speculative
-from .families import max_positions
 from .prompt_lookup import PromptLookup
 from .sampler import Sampler
-from .session import Session
 from .speculative import DraftModel, Speculator
 
 
@@ -101,7 +102,7 @@ def generate(
     ``"auto"``: per chunk, the one moving fewer bytes). Every decoded token is then run on
     all ranks with attention over the sharded cache by Tree decoding (``attention="tree"``,
     reduction ``strategy``) or Ring decoding (``"ring"``). It is a loop over a
-    :class:`treeattn.hf.Session` (``extend`` of the prompt, then of each token) whose cache
+    :class:`treeattn.runtime.Session` (``extend`` of the prompt, then of each token) whose cache
     is dropped on return: keep a Session yourself to ask several questions of one document.
 
     Args:
@@ -113,7 +114,7 @@ def generate(
             model's ``max_position_embeddings``.
         max_new_tokens: the most tokens to generate per sequence.
         placement, block: KV placement (see :class:`treeattn.cache.ShardedKVCache`; block None: as
-            :class:`treeattn.hf.Session`).
+            :class:`treeattn.runtime.Session`).
         do_sample, temperature, top_k, top_p, min_p, typical_p, eta_cutoff: sampling through
             transformers' own logits warpers; one generator seeded with ``seed`` on every
             rank, so every rank draws the same token.
@@ -137,14 +138,14 @@ def generate(
             and the output) or ``"draft"`` (``draft_model`` drafts): each target forward
             verifies up to ``num_draft_tokens`` drafted tokens deep, ``tree_width``
             branches (1: a chain; more: a token tree in one :meth:`Session.step`; the shapes:
-            :class:`treeattn.hf.prompt_lookup.PromptLookup`, ``DraftModel``). Greedy output is
+            :class:`treeattn.decoding.prompt_lookup.PromptLookup`, ``DraftModel``). Greedy output is
             that of non-speculative greedy decoding (up to float rounding at exact near-ties);
-            sampling stays lossless (see :mod:`treeattn.hf.speculative`). One sequence (B = 1).
+            sampling stays lossless (see :mod:`treeattn.decoding.speculative`). One sequence (B = 1).
             ``info`` gets ``mean_accepted_length`` (tokens committed per target forward),
             ``acceptance_rates`` (per draft position) and ``target_forwards``; with
             ``adaptive_draft``, ``step_costs`` (tokens per step -> measured cost, plain = 1).
         adaptive_draft: with ``speculate``, draft only as deep as the measured step costs and
-            acceptance make worth it (:mod:`treeattn.hf.draft_policy`; none when no draft
+            acceptance make worth it (:mod:`treeattn.decoding.draft_policy`; none when no draft
             promises a gain, so speculation does not cost more than it saves); False: always
             ``num_draft_tokens`` deep where a draft exists.
         draft_model: a causal LM with the target's vocabulary; it drafts on rank 0 of
@@ -152,9 +153,9 @@ def generate(
         penalty_alpha: with ``top_k >= 2`` (and greedy, one sequence): contrastive search, the
             ``top_k`` candidates scored in one step as a depth-1 token tree, ``(1 - alpha) * p -
             alpha * (max cosine similarity of the candidate's last hidden state with every
-            earlier token's)`` (see :mod:`treeattn.hf.contrastive`). None or 0: off.
+            earlier token's)`` (see :mod:`treeattn.decoding.contrastive`). None or 0: off.
         cuda_graph: on a CUDA model at p = 1, each plain decode step as a replayed CUDA graph
-            (:class:`treeattn.hf.Session`'s ``cuda_graph``); the same tokens. Each call
+            (:class:`treeattn.runtime.Session`'s ``cuda_graph``); the same tokens. Each call
             captures its own graphs in its first decode step (~35 ms on an H200): keep a
             Session to ask many questions.
 

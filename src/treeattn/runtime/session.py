@@ -16,13 +16,13 @@ from torch import Tensor
 from .._host import peak_memory_bytes
 from ..cache import ShardedKVCache, auto_block
 from ..comm.collectives import world
-from . import _model as S
+from ..hf.tensor_parallel import kv_heads_here, sequence_group
+from . import inputs as S
 from ._calls import checked
 from ._commit import adopt, store_kept
 from ._history import History
 from ._settings import agree_settings
 from .runner import ModelRunner
-from .tensor_parallel import kv_heads_here, sequence_group
 
 
 class Session:
@@ -63,7 +63,7 @@ class Session:
             model's ``max_position_embeddings``); the cache grows on demand up to it.
         cuda_graph: on a CUDA model at p = 1, run each one-token :meth:`extend` of a batch
             whose sequences share one length as a replayed CUDA graph (one per span of the
-            cache, captured at the first step that needs it; :mod:`treeattn.hf._graph`):
+            cache, captured at the first step that needs it; :mod:`treeattn.runtime._graph`):
             the same tokens, without the host time of ~900 kernel launches per token. On
             other devices the same static step runs uncaptured (no gain; the CPU tests run
             it). Ignored at p > 1.

@@ -1,4 +1,4 @@
-"""What a :class:`treeattn.hf.Session` is created with: its :class:`~treeattn.config.Layout`
+"""What a :class:`treeattn.runtime.Session` is created with: its :class:`~treeattn.config.Layout`
 checked on each rank, then agreed across the ranks with the model's shape (one small int64
 all-gather of a digest of every field, nothing pickled), so a bad or differing argument raises
 the same ``ValueError`` on every rank before any other collective."""
@@ -10,15 +10,15 @@ import torch
 from ..comm.collectives import world
 from ..comm.validate import agree
 from ..config import ATTENTIONS, PREFILLS, Layout
-from ._model import model_problem
-from .families import max_positions
-from .tensor_parallel import tensor_parallel_ranks
+from ..hf.families import max_positions
+from ..hf.model import model_problem
+from ..hf.tensor_parallel import tensor_parallel_ranks
 
 __all__ = ["ATTENTIONS", "PREFILLS", "agree_settings"]
 
 
 def agree_settings(model: torch.nn.Module, group, *, max_length: int | None, **layout) -> tuple[Layout | None, int]:
-    """Check a Session's arguments (see :class:`~treeattn.hf.Session`; ``layout``: the fields of
+    """Check a Session's arguments (see :class:`~treeattn.runtime.Session`; ``layout``: the fields of
     :class:`~treeattn.config.Layout`) and agree on them and the model's shape across ``group``;
     returns (the layout, the sequence length limit: ``max_length`` or the model's positions).
     ValueError on every rank when any rank's are bad or differ."""

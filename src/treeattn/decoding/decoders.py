@@ -1,5 +1,5 @@
-"""The decoding methods :func:`treeattn.hf.generate` loops over, one per kind, each over a
-:class:`~treeattn.hf.Session` whose prompt is in: :meth:`Decoder.first` takes the prompt's
+"""The decoding methods :func:`treeattn.decoding.generate` loops over, one per kind, each over a
+:class:`~treeattn.runtime.Session` whose prompt is in: :meth:`Decoder.first` takes the prompt's
 logits and gives the first token, :meth:`Decoder.next` commits the last token given and gives
 the next ones (one, or several at once under speculation), :attr:`Decoder.logits` the logits
 the last token given was chosen from. Tokens are ``[B]`` int64 on the ids' device, identical
@@ -48,7 +48,7 @@ class Plain(Decoder):
 
 class Contrastive(Decoder):
     """Contrastive search (one sequence): each token chosen and committed by
-    :func:`~treeattn.hf.contrastive.contrastive_step`, which also gives the logits after it."""
+    :func:`~treeattn.decoding.contrastive.contrastive_step`, which also gives the logits after it."""
 
     def __init__(self, session, alpha: float, k: int, device) -> None:
         self.session, self.alpha, self.k, self.device = session, alpha, k, device
@@ -65,7 +65,7 @@ class Contrastive(Decoder):
 
 
 class Speculative(Decoder):
-    """Speculative decoding (one sequence): :class:`~treeattn.hf.speculative.Speculator`'s steps,
+    """Speculative decoding (one sequence): :class:`~treeattn.decoding.speculative.Speculator`'s steps,
     each committing the accepted draft and the target's own next token."""
 
     def __init__(self, session, spec: Speculator, pick) -> None:
@@ -92,7 +92,7 @@ class Speculative(Decoder):
 
 @dataclass
 class GenerationStats:
-    """What one :func:`~treeattn.hf.generate` call measured (its ``info``): ``ttft`` (seconds to the
+    """What one :func:`~treeattn.decoding.generate` call measured (its ``info``): ``ttft`` (seconds to the
     first token), ``prefill`` (of which the prompt's extend), ``decode`` (seconds per later token;
     tokens of one speculative step share its time), ``cache_bytes`` and ``peak_bytes`` (as
     :meth:`Session.stats`), ``last_logits`` (``[B, V]``: what the last token was chosen from)."""

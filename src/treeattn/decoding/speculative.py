@@ -1,4 +1,4 @@
-"""Speculative decoding over a :class:`treeattn.hf.Session`: a drafter proposes a chain or a
+"""Speculative decoding over a :class:`treeattn.runtime.Session`: a drafter proposes a chain or a
 token tree after the pending token, the target runs the whole block in one
 :meth:`Session.step` (Tree decoding's token-tree mask, positions by depth) and
 :meth:`Session.keep` commits the accepted path.
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ..comm.collectives import broadcast, world
-from ._model import cache_kw
+from ..hf.model import cache_kw
 from .draft_policy import DraftPolicy
 from .prompt_lookup import Draft, PromptLookup, _cut
 from .sampler import Sampler
@@ -169,7 +169,7 @@ class Speculator:
     """One speculative step at a time over a session of one sequence (B = 1): see the module
     docstring. ``sampler`` is the target's greedy or sampling rule (its generator draws the
     acceptance tests too).
-    ``adaptive``: rank 0 drafts as deep as :class:`~treeattn.hf.draft_policy.DraftPolicy`
+    ``adaptive``: rank 0 drafts as deep as :class:`~treeattn.decoding.draft_policy.DraftPolicy`
     finds worth it (up to ``k``; none when no draft promises a gain); else ``k`` deep wherever
     the drafter has a draft.
     A step without a draft is a plain :meth:`Session.extend`."""

@@ -1,5 +1,5 @@
 """A Session call's arguments checked on each rank, then agreed across the ranks: every public
-call of :class:`~treeattn.hf.Session` goes through :func:`checked`, so a bad argument on any
+call of :class:`~treeattn.runtime.Session` goes through :func:`checked`, so a bad argument on any
 rank, or ranks that passed different ones, raise the same ValueError on every rank before the
 model runs (the one all-gather of :func:`treeattn.comm.validate.agree`)."""
 
@@ -11,7 +11,7 @@ from typing import Any
 from torch import Tensor
 
 from ..comm.validate import agree
-from . import _model as S
+from . import inputs as S
 
 
 def checked(op: str, validate: Callable[[], tuple[Any, int]], *, check: bool, group, committed: int,
