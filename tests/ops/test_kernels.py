@@ -105,3 +105,34 @@ def test_registry_claims():
     for name, kern in KERNELS.items():
         assert kern.devices and set(kern.devices) <= {"cpu", "cuda"}, name
     assert list(itertools.chain(KERNELS)) == ["torch", "flash_cpu", "decode_cpu", "fused_cuda", "triton"]
+
+
+def test_the_dispatch_alone_runs_the_chosen_kernel(monkeypatch):
+    """Every kernel of the registry has a run; a call asked of a kernel runs that kernel's run (or
+    the torch path's, for the calls it hands over), ``auto`` runs what ``pick`` chose, an ALiBi call
+    the torch path (the only kernel that adds the bias)."""
+    import treeattn.ops.dispatch as D
+    from treeattn.ops import Alibi, alibi_slopes
+    from treeattn.ops.kernels import pick
+
+    assert set(D.RUNS) == set(KERNELS)
+    ran = []
+    for name, f in list(D.RUNS.items()):
+        monkeypatch.setitem(D.RUNS, name, lambda a, f=f, name=name: (ran.append(name), f(a))[1])
+    q, k, v, lens, _ = make_call(torch.float32, 2, 8, 2, 1, 300, 64, 64, True, False, None, None)
+    for name, device in CASES:
+        if device != "cpu":
+            continue
+        ran.clear()
+        attention_with_lse(q, k, v, kv_lens=lens, backend=name)
+        assert ran == [name], (name, ran)
+    ran.clear()
+    attention_with_lse(q, k, v, kv_lens=lens, softcap=5.0, backend="flash_cpu")  # handed to the torch path
+    assert ran == ["torch"]
+    ran.clear()
+    attention_with_lse(q, k, v)
+    assert ran == [pick(q, k, v, plain=True)]
+    ran.clear()
+    pos = torch.arange(300).expand(2, 300)
+    attention_with_lse(q, k, v, alibi=Alibi(alibi_slopes(8), torch.full((2,), 300), pos))
+    assert ran == ["torch"]

@@ -128,7 +128,7 @@ def test_skipped_keys_are_never_read():
 
 def test_window_on_long_context_reads_only_the_window(monkeypatch):
     """A window of 64 keys out of 20000: the kernel sees a 64-key slice (no full-S work)."""
-    import treeattn.ops.attention as A
+    import treeattn.ops.dispatch as A
 
     seen = []
     real = A._chunked

@@ -40,7 +40,7 @@ def close(out, lse, args, what):
 def kernel_calls(run) -> int:
     """How many local attention kernels (torch, flash_cpu or decode_cpu path) ``run()`` started."""
     import treeattn.ops._decode_cpu as C
-    import treeattn.ops.attention as A
+    import treeattn.ops.dispatch as A
 
     calls, real = [], (A._chunked, A._flash_cpu, C.decode_cpu)
 

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ._decode_cpu import _lib, _rows, kernel_features
-from .attention import all_finite
+from ._finite import all_finite
 
 __all__ = ["prefill_states"]
 

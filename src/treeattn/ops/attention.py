@@ -8,25 +8,14 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from ._blocks import _chunked
-from ._bounds import _backend, _decode_call, _row_bounds, _trim, one_length
-from .alibi import Alibi, check_alibi, row_bias
-from .state import empty_state
+from ._finite import all_finite
+from .alibi import Alibi, check_alibi
+from .dispatch import Args, dispatch, scale_of
 
-__all__ = ["attention_with_lse", "attention_state", "check_attention_inputs", "BACKENDS"]
+__all__ = ["attention_with_lse", "attention_state", "all_finite", "check_attention_inputs", "BACKENDS"]
 
 Backend = Literal["auto", "torch", "flash_cpu", "decode_cpu", "fused_cuda", "triton"]
 BACKENDS: tuple[str, ...] = ("auto", "torch", "flash_cpu", "decode_cpu", "fused_cuda", "triton")
-
-
-def all_finite(*ts: Tensor) -> bool:
-    """Whether every element of ``ts`` is finite, in one host sync: a NaN or inf element makes
-    the sum of sums non-finite; only when it is (or finite values overflow it) are the tensors
-    scanned element by element (one pass per tensor, against ~4 for ``isfinite(t).all()``)."""
-    ts = [t for t in ts if t.numel()]
-    if not ts or bool(torch.isfinite(sum(t.sum() for t in ts))):
-        return True
-    return all(bool(torch.isfinite(t).all()) for t in ts)
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -209,117 +198,12 @@ def attention_state(
     alibi: Alibi | None = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`attention_with_lse` without validation, for callers that validated (the
-    distributed ops, once per call): the one entry to the local kernels, which it chooses
-    (``backend``) and runs.
+    distributed ops, once per call): the one entry to the local kernels, which
+    :func:`treeattn.ops.dispatch.dispatch` chooses (``backend``) and runs.
 
     ``mask``: optional bool ``[B or 1, Tq, S]``, True = visible, AND-ed with the rest.
     ``kv_end``: optional integer ``[B]`` or ``[B, Tq]``, exclusive per-query upper bound
     AND-ed with kv_lens/causal (a prefill's causal bound for keys in position order).
     ``keep_fp32``: return ``out`` in the float32 accumulation dtype (for further merging)."""
-    B, Hq, Tq, D = q.shape
-    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
-    scale = D**-0.5 if scale is None else float(scale)
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    # ALiBi: the torch path alone adds the bias
-    backend = "torch" if alibi is not None else _backend(q, k, v, backend, mask, kv_lens, causal, kv_start, kv_end, softcap)
-    if backend == "decode_cpu" and mask is None:  # it reads only each row's [lo, hi): nothing to trim or zero
-        return _decode_call(q, k, kv_lens, causal, kv_start, kv_end, softcap)(q, k, v, scale, keep_fp32)
-    G = Hq // Hkv
-    n = one_length(q, S, kv_lens, causal, kv_start, kv_end)
-    if n is not None:  # a slice of the keys, no per-row bounds to build and trim
-        k, v, S, kv_lens = k[:, :, :n], v[:, :, :n], n, None
-        mask = None if mask is None else mask[..., :n]
-        alibi = None if alibi is None else alibi._replace(k_pos=alibi.k_pos[:, :n])
-    # every row's visible keys are [lo, hi) (AND the optional dense mask), computed here only
-    lo, hi = _row_bounds(B, Tq, G, S, kv_lens, causal, kv_start, kv_end, q.device)
-    if backend == "triton":  # straight to the kernel: it reads each row's bounds itself (no trim, no sync)
-        rows_differ = (causal and Tq > 1) or kv_end is not None or (kv_start is not None and kv_start.ndim == 2)
-        return _triton(q, k, v, scale, lo, hi, softcap, rows_differ, keep_fp32)
-    lo, hi, span, seq = _trim(lo, hi, S, B)
-    if span is not None:
-        k, v = k[:, :, span[0] : span[1]], v[:, :, span[0] : span[1]]
-        S = k.shape[2]
-        if mask is not None:
-            mask = mask[..., span[0] : span[1]]
-        if alibi is not None:
-            alibi = alibi._replace(k_pos=alibi.k_pos[:, span[0] : span[1]])
-    if S == 0 or B * Hq * Tq == 0:
-        out, lse = empty_state((B, Hq, Tq, Dv), q.device)
-        return out.to(acc if keep_fp32 else q.dtype), lse.to(acc)
-    qg = q.reshape(B, Hkv, G * Tq, D)  # row r = g * Tq + i, g the group member
-    vis = None
-    if mask is not None:  # rows r = g * Tq + i take mask row i
-        vis = mask.to(q.device).index_select(1, torch.arange(qg.shape[2], device=q.device) % Tq).unsqueeze(1)
-    if backend == "fused_cuda":
-        from ._fused_cuda import fused_cuda
-
-        if seq is not None and kv_lens is not None:  # masked keys weigh 0 there: 0 x NaN of unused slots would leak
-            j = torch.arange(S, device=q.device).view(1, 1, S, 1)
-            bad = (j < seq[0].view(B, 1, 1, 1)) | (j >= seq[1].view(B, 1, 1, 1))
-            k, v = k.masked_fill(bad, 0.0), v.masked_fill(bad, 0.0)
-        hi_r = None if hi is None else hi.reshape(B, qg.shape[2])
-        out, lse = fused_cuda(qg, k, v, scale, kv_lens, hi_r, causal, softcap, Tq)
-    elif backend == "flash_cpu":
-        if seq is not None:  # a skipped key holding NaN/inf would still poison the fused kernel's sums
-            j = torch.arange(S, device=q.device).view(1, 1, S, 1)
-            bad = (j < seq[0].view(B, 1, 1, 1)) | (j >= seq[1].view(B, 1, 1, 1))
-            k, v = k.masked_fill(bad, 0.0), v.masked_fill(bad, 0.0)
-        # rows of one sequence with different bounds: the kernel's additive -inf mask cannot
-        # hide a NaN/inf key or value from the rows that do not see it; the torch path can
-        per_row = lo is not None or vis is not None or (hi is not None and bool((hi != hi[:, :, :1]).any()))
-        redo = per_row and not all_finite(k, v)
-        if not redo:
-            out, lse = _flash_cpu(qg, k, v, scale, lo, hi, vis)
-            # the kernel reports a row whose scores are all NaN as fully masked (lse 0, out 0);
-            # its empty rows are -inf by now, so such a row is redone (exactly) on the torch path
-            zero = lse == 0  # (the row check only where some lse is 0: it reads all of out)
-            redo = bool(zero.any()) and bool((zero & (out == 0).all(-1)).any())
-        if redo:
-            out, lse = _chunked(qg, k, v, scale, lo, hi, vis, None, softcap)
-    else:
-        bias = None if alibi is None else row_bias(alibi, B, Hkv, Tq, acc)
-        out, lse = _chunked(qg, k, v, scale, lo, hi, vis, seq, softcap, bias)
-    return out.to(acc if keep_fp32 else q.dtype).reshape(B, Hq, Tq, Dv), lse.reshape(B, Hq, Tq)
-
-
-def _triton(q, k, v, scale, lo, hi, softcap, row_bounds: bool, keep_fp32: bool) -> tuple[Tensor, Tensor]:
-    from ._triton_attn import triton_attention
-
-    B, Hq, Tq, D = q.shape
-    Hkv, Dv = k.shape[1], v.shape[3]
-    R = Hq // Hkv * Tq
-    qg = q.reshape(B, Hkv, R, D)
-    lo = None if lo is None else lo.reshape(B, R)
-    hi = None if hi is None else hi.reshape(B, R)
-    out, lse = triton_attention(qg, k, v, scale, lo, hi, softcap, row_bounds, keep_fp32)
-    return out.reshape(B, Hq, Tq, Dv), lse.reshape(B, Hq, Tq)
-
-
-def _flash_cpu(
-    qg: Tensor, k: Tensor, v: Tensor, scale: float, lo: Tensor | None, hi: Tensor | None, vis: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    mask = empty = None
-    if lo is not None or hi is not None or vis is not None:
-        j = torch.arange(k.shape[2], device=qg.device)
-        hide = torch.zeros(1, 1, 1, k.shape[2], dtype=torch.bool, device=qg.device)
-        if hi is not None:
-            hide = hide | (j >= hi)
-        if lo is not None:
-            hide = hide | (j < lo)
-        if vis is not None:
-            hide = hide | ~vis
-        mask = torch.zeros((), dtype=qg.dtype, device=qg.device).masked_fill(hide, float("-inf"))
-        empty = hide.all(-1)  # [B or 1, 1, R]
-    # PyTorch's CPU flash kernel returns garbage for rows whose last dim is strided (torch 2.13)
-    qg, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (qg, k, v))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qg, k, v, attn_mask=mask, scale=scale)
-    if empty is not None:  # the kernel reports a fully masked row as lse 0 / out 0
-        empty = empty.expand_as(lse)
-        lse = lse.masked_fill(empty, float("-inf"))
-        out = out.masked_fill(empty.unsqueeze(-1), 0.0)
-    # an inf score: lse +inf (which a merge would read as empty), out NaN in float32 but 0 in
-    # bfloat16; undefined either way
-    bad = (lse == float("inf")) | lse.isnan()
-    if bool(bad.any()):
-        out, lse = out.masked_fill(bad.unsqueeze(-1), float("nan")), lse.masked_fill(bad, float("nan"))
-    return out, lse.to(torch.float64 if qg.dtype == torch.float64 else torch.float32)
+    a = Args(q, k, v, scale_of(q, scale), kv_lens, causal, mask, keep_fp32, kv_start, kv_end, softcap, alibi)
+    return dispatch(a, backend)

@@ -1,7 +1,8 @@
 """Every local attention kernel treeattn has, in one registry: where it runs, which calls it
-takes (and why not), and which one ``auto`` runs (:func:`pick`, with the measurements behind
-it). :func:`~treeattn.ops.attention_with_lse` resolves every backend here; causal prefill
-blocks go through :mod:`treeattn.ops.causal`. ``tests/ops/test_kernels.py`` holds every kernel
+takes (and why not), how it runs one (:meth:`Kernel.run`) and which one ``auto`` runs
+(:func:`pick`, with the measurements behind it). :func:`~treeattn.ops.attention_with_lse`
+resolves every backend here and runs it through :func:`treeattn.ops.dispatch.dispatch`; causal
+prefill blocks go through :mod:`treeattn.ops.causal`. ``tests/ops/test_kernels.py`` holds every kernel
 to the float64 reference on every device it claims.
 
 | kernel | devices | implementation |
@@ -53,10 +54,23 @@ class Call:
 
 @dataclass(frozen=True)
 class Kernel:
+    """A local attention kernel: where it runs, which calls it takes (:meth:`accepts`) and
+    how it runs one (:meth:`run`, an :class:`treeattn.ops.dispatch.Args`; the dispatch alone calls it)."""
+
     name: str
     devices: tuple[str, ...]  # where it runs (a kernel may claim a device only conditionally: ``why_not``)
     why_not: Callable[[Call], str | None]  # None: it takes the call; else the reason it does not
     to_torch: Callable[[Call], bool] = lambda c: False  # calls it hands to the torch path instead of refusing
+
+    def accepts(self, call: Call) -> str | None:
+        """None when this kernel takes ``call``, else the reason it does not."""
+        return self.why_not(call)
+
+    def run(self, args) -> tuple[Tensor, Tensor]:
+        """``(out, lse)`` of the call ``args`` (validated, accepted) on this kernel."""
+        from .dispatch import RUNS  # (dispatch imports this registry)
+
+        return RUNS[self.name](args)
 
 
 def _torch(c: Call) -> str | None:
