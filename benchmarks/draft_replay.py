@@ -28,7 +28,7 @@ from pathlib import Path
 from _fixture import document, smollm2_gguf  # benchmarks/_fixture.py, beside this script
 from speculative import QUESTIONS
 
-# a step of T tokens in plain steps: measured ranges of a packed p = 2 step (docs/benchmarks.md §11.3)
+# a step of T tokens in plain steps: measured ranges of a packed p = 2 step (docs/benchmarks/session.md)
 COSTS = {"low": {1: 1.0, 2: 1.15, 3: 1.30, 4: 1.41, 5: 1.50, 6: 1.55},
          "high": {1: 1.0, 2: 1.25, 3: 1.40, 4: 1.55, 5: 1.70, 6: 1.80}}  # fmt: skip
 CASES = [(q, u) for u in (False, True) for q in ("explain", "quote", "copy")]

@@ -6,7 +6,7 @@ A step's wall time by its token count is an EMA per count (:class:`StepCosts`); 
 measured is interpolated linearly between the nearest measured counts, extrapolated beyond them
 with the slope of the two nearest, and, while one count alone was measured, priced at
 :data:`BETA0` of that step's per-token share for each extra token (what a 2-core CPU measured:
-torch's linear layers take one token's rows much faster than two, docs/benchmarks.md §11; a GPU,
+torch's linear layers take one token's rows much faster than two, docs/benchmarks/session.md; a GPU,
 where wide steps cost next to nothing, finds that out at its first draft). Drafting and catching
 up are rates in seconds per token (:class:`Rate`). A draft is worth making only where it
 promises :data:`MARGIN` more tokens per second."""

@@ -3,7 +3,7 @@ states, so each computes the logits of its slice of the vocabulary and one all-g
 /dev/shm on one host: :mod:`treeattn.comm.shm_small`) puts them together, in the same bits on
 every rank. Each rank reads ``1/p`` of the head instead of all of it: SmolLM2-135M's head,
 tied to its embeddings, is 49,152 x 576 float32 (113 MB), which two ranks used to read whole,
-at the same time, every step (docs/benchmarks.md §11.1).
+at the same time, every step (docs/benchmarks/session.md).
 
 Slices start at multiples of 64 outputs, the packed kernel's output groups
 (:mod:`treeattn.ops.linear_cpu`), so a packed head's slice is a view of its packed stream and

@@ -285,7 +285,7 @@ def decode_cpu(
         # rows), so a row's bits do not depend on how many rows share the call and the pad is
         # a matter of speed: bf16 runs 3 tail rows faster as a group with a 4th row of zeros
         # (R = 3 over 3.9k keys: 0.5-0.75x the time), float32 faster by themselves
-        # (docs/benchmarks.md section 9). Elsewhere (bf16 K/V with float32 queries, other head
+        # (docs/benchmarks/kernels.md). Elsewhere (bf16 K/V with float32 queries, other head
         # dims, no AVX512-BF16) a tail row runs with other rounding, so tails over 4 rows and
         # R = 3 run padded: a row's bits are the same in every call of 3 rows or more. The pad
         # rows take the last row's bounds (rows with equal bounds share the groups).

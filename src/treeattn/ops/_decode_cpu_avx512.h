@@ -9,7 +9,7 @@
 #if defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define HAVE_BF16DP 1
 #endif
-/* Keys per group in the AVX-512 4-row path (measured from memory, docs/benchmarks.md §9):
+/* Keys per group in the AVX-512 4-row path (measured from memory, docs/benchmarks/kernels.md):
  * float32 reads each key's K row (scores) and V row (values of two rows) side by side in
  * groups of 4; bfloat16 computes 16 keys' scores, then their values. Other group
  * sizes measured slower here. */

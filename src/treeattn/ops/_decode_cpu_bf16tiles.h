@@ -14,7 +14,7 @@
  * widened at once as their even and odd elements (one shift, one and), so q (qp) and the
  * accumulators are kept in that order (perm16). The first row tile prefetches one line PFK_X
  * keys ahead per step. A single row (MHA) streams faster key by key (row1_eo). float32 runs
- * measured slower this way than in the per-key loops (docs/benchmarks.md section 9.1). */
+ * measured slower this way than in the per-key loops (docs/benchmarks/kernels.md, AVX2 only). */
 #ifndef GRP_X
 #define GRP_X 8
 #endif

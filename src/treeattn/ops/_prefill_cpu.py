@@ -6,8 +6,8 @@ compiler, ``TREEATTN_NO_CKERNEL=1`` disables both).
 call per block with per-query ``[start, end)`` key bounds (causal rows, sliding windows, rows
 that see nothing), where PyTorch's fused kernel needs a prefix call, a causal-triangle call and
 a merge per run of rows, or a dense mask. The rows of all query heads of a KV head share each
-K/V load. Measured on this 2-core AVX-512 VM (float32, 9/3 heads, D = 64; docs/benchmarks.md
-13.1): 0.62-0.87x the time of the PyTorch path with 2 threads, 0.68-0.92x with 1, for 1024
+K/V load. Measured on this 2-core AVX-512 VM (float32, 9/3 heads, D = 64;
+docs/benchmarks/kernels.md): 0.62-0.87x the time of the PyTorch path with 2 threads, 0.68-0.92x with 1, for 1024
 queries over 1k-7k keys. Anything else (other dtypes, softcap, non-finite keys or values,
 value dims not a multiple of 64, an explicit backend, no AVX-512, ``TREEATTN_PREFILL_KERNEL=0``,
 shapes that do not match, inputs that need gradients, a failed scratch allocation) returns None

@@ -94,7 +94,7 @@ def num_splits(B: int, H: int, R: int, S: int, device: torch.device, fma: bool =
 
 
 # kernel shapes (BLOCK_N, num_warps, num_stages) from benchmarks/gpu_kernel.py on one H200
-# (2026-11-27, docs/benchmarks.md section 14; 32/8 heads x 128, Tq = 1). Decode, bf16, the whole
+# (2026-11-27, docs/benchmarks/gpu.md; 32/8 heads x 128, Tq = 1). Decode, bf16, the whole
 # table: (64, 4, 2) 96 / 80 % of the read floor at B = 1, S = 1M / 512k and 95-97 % at B = 8,
 # S >= 128k; (64, 4, 3) 83 / 74 % and 93-102 %. (A sweep that read K twice, as V, ranked 3 stages
 # first: it hid V's loads.) Prefill (4096 rows x 8192 keys): (64, 4, 2) 1.72 ms, (64, 4, 3)

@@ -166,7 +166,7 @@ def pick(q: Tensor, k: Tensor, v: Tensor, *, plain: bool = False, causal_rows: b
     ``plain``: no kv_lens, window, per-row bound, mask or softcap (every row sees every key);
     ``causal_rows``: a causal mask over several queries."""
     # CPU, 1 thread, B=1, D=128, Tq=1 on a shared 2-core EPYC VM (loadavg 4-8), `treeattn bench
-    # kernel` (docs/benchmarks.md, "Decode kernel"): decode_cpu beats flash_cpu and torch in
+    # kernel` (docs/benchmarks/kernels.md): decode_cpu beats flash_cpu and torch in
     # every measured row (fp32 16/16 and 32/8, bf16 16/16 and 32/8, S = 16k..256k).
     # Rows per KV head sweep (S=16k, 8 KV heads, no mask), flash_cpu time / decode_cpu time:
     #   rows   1      4     8     16    32    64    128

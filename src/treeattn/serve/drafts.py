@@ -43,8 +43,8 @@ from ..decoding.step_costs import MARGIN, Rate, StepCosts, expected_tokens
 from ..hf.families import max_positions
 
 # MARGIN (generate's too): the batch's tokens per second must rise 2 %. Replayed over 4 requests at
-# once with the step costs a server measured (benchmarks/server_draft_replay.py, docs/benchmarks.md
-# §12.2), 10 % left drafts undrafted that paid: quoting answers 0.84-0.87 of plain's decode time
+# once with the step costs a server measured (benchmarks/server_draft_replay.py, docs/benchmarks/
+# serving.md), 10 % left drafts undrafted that paid: quoting answers 0.84-0.87 of plain's decode time
 # after the first round, 0.77-0.79 with 2 %; answers that do not quote the text 0.646-0.655 and 0.650-0.660
 MODEL = "model"  # the kind of a draft model's drafts
 _SYNC_MAX = 8  # a drafting call that first ran more new tokens than this (a prompt, a catch-up) is not timed

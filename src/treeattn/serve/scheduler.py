@@ -19,7 +19,7 @@ left out of the step before, so a new question's first token comes after a step 
 the running requests never
 wait more than one step in a row, however long a joining prompt is. The price: a join and the
 decode rows no longer share one read of the weights. The late joiner's wait and the tokens/s:
-docs/benchmarks.md §12.1.
+docs/benchmarks/serving.md.
 """
 
 from __future__ import annotations
