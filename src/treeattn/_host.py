@@ -50,6 +50,19 @@ def peak_memory_bytes(device: torch.device | str = "cpu") -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def trim_free_memory() -> bool:
+    """Give the heap's free pages back to the OS (glibc's ``malloc_trim(0)``), so memory freed
+    after loading (a checkpoint's copies, weights replaced by packed ones) stops counting in the
+    resident set and later peaks; False where there is no such call (not glibc)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
+
+
 _MADV_HUGEPAGE, _MADV_NOHUGEPAGE = 14, 15  # Linux <asm-generic/mman-common.h>
 _HUGE_MIN_BYTES = 4 << 20
 _libc: list = []
@@ -79,12 +92,12 @@ def empty_huge(
     transparent huge pages as it is first touched (pages the allocator reuses from freed
     memory keep the size they have). Decode attention streams the whole KV cache every step,
     and with 4 KiB pages TLB misses cost about a third of one core's read bandwidth
-    (docs/benchmarks.md, "Decode kernel"). Without THP (``never``) or off Linux this is plain
+    (docs/benchmarks/kernels.md). Without THP (``never``) or off Linux this is plain
     ``torch.empty``; the advice changes nothing but the page size. ``huge=False``, or
     ``TREEATTN_HUGE_PAGES=0`` in the environment, asks for small pages instead
     (``MADV_NOHUGEPAGE``): the first touch of fresh 2 MiB pages can cost several times that
-    of 4 KiB pages on a VM whose host reclaims the guest's free memory (docs/benchmarks.md
-    section 13.2), a prefill-time cost that decoding from huge pages pays back only later."""
+    of 4 KiB pages on a VM whose host reclaims the guest's free memory (docs/benchmarks/prefill.md,
+    the page size), a prefill-time cost that decoding from huge pages pays back only later."""
     t = torch.empty(*shape, dtype=dtype, device=device)
     huge = huge and os.environ.get("TREEATTN_HUGE_PAGES", "1") != "0"
     if t.device.type == "cpu" and t.nbytes >= _HUGE_MIN_BYTES and sys.platform.startswith("linux"):

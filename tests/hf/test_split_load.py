@@ -44,9 +44,9 @@ def split_worker(dirs: list[str], broken: str) -> None:
 
     p = dist.get_world_size()
     read = [0]
-    real = sl.safe_open
+    real = sl.open_checkpoint
 
-    class Counting:  # safe_open, counting the bytes of every tensor it hands out
+    class Counting:  # open_checkpoint, counting the bytes of every tensor it hands out
         def __init__(self, *a, **k):
             self.h = real(*a, **k)
 
@@ -76,7 +76,7 @@ def split_worker(dirs: list[str], broken: str) -> None:
 
             return Sl()
 
-    sl.safe_open = Counting
+    sl.open_checkpoint = Counting
     for d, tpa in [(d, t) for d in dirs for t in (1, 2) if p % t == 0]:  # tpa 2: the heads split too
         read[0] = 0
         m, _ = load_split(d, tpa=tpa)
@@ -136,3 +136,45 @@ def test_cli_generate_from_a_directory_with_tp(checkpoints):
         assert "identical to single-process model.generate" in r.stderr, r.stderr
         if tp == "auto":
             assert re.search(r"--tp auto: [12] \(built-in preset 'local', 17 tokens over 2 ranks", r.stderr), r.stderr
+
+
+def test_open_checkpoint_reads_what_safetensors_reads(tmp_path):
+    """The plain-read checkpoint reader against safetensors' own: every dtype treeattn reads, whole
+    tensors and their parts (rows; columns of each row; a 0-d and a 3-D tensor), and the files
+    and parts it refuses, each with a message that names them."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from treeattn.hf.split_load import open_checkpoint
+
+    g = torch.Generator().manual_seed(3)
+    sd = {f"w.{dt}": (torch.randn(7, 11, generator=g) * 10).to(dt)
+          for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int8)}  # fmt: skip
+    sd |= {"flag": torch.rand(5, generator=g) > 0.5, "scalar": torch.tensor(2.5), "cube": torch.randn(4, 3, 2, generator=g),
+           "empty": torch.zeros(0, 4)}  # fmt: skip
+    f = tmp_path / "m.safetensors"
+    save_file(sd, f, metadata={"format": "pt"})
+    with safe_open(f, framework="pt") as ref, open_checkpoint(f) as c:
+        assert sorted(c.keys()) == sorted(ref.keys())
+        for k in ref.keys():
+            t = ref.get_tensor(k)
+            got = c.get_tensor(k)
+            assert got.dtype == t.dtype and torch.equal(got, t), k
+            parts = [(slice(1, 3),)] if t.ndim else []
+            if t.ndim == 2:
+                parts += [(slice(None), slice(2, 9)), (slice(3, 5), slice(0, 1)), (slice(None), slice(4, 4))]
+            for ix in parts:
+                assert torch.equal(c.get_slice(k)[ix], t[ix]), (k, ix)
+        with pytest.raises(ValueError, match="strided"):
+            c.get_slice("w.torch.float32")[(slice(0, 6, 2),)]
+        with pytest.raises(ValueError, match="cannot read part"):
+            c.get_slice("cube")[(slice(None), slice(0, 1))]
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        open_checkpoint(bad)
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(f.read_bytes()[:-40])
+    with open_checkpoint(cut) as c, pytest.raises(ValueError, match="truncated"):
+        for k in c.keys():
+            c.get_tensor(k)

@@ -7,7 +7,7 @@ Two kernels, the first that this machine has:
   stream of 64-output groups. A decode step reads every weight once for a few rows, and this
   kernel reads them faster: SmolLM2-135M's 30 layers of linears at 1 / 8 / 32 rows per call,
   one thread, 20.9 / 26.1 / 72.7 ms against oneDNN's 34.1 / 37.3 / 79.7 and MKL's 41.4 / 58.5
-  / 108.6 (``benchmarks/packed_linear.py``, ``docs/benchmarks.md`` section 11.5).
+  / 108.6 (``benchmarks/packed_linear.py``, ``docs/benchmarks/session.md``).
 - oneDNN's (``torch.ops.mkldnn``), each weight in oneDNN's blocked layout (what
   ``torch.compile`` does when it freezes a CPU model), where the compiled kernel is missing.
 
@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._host import trim_free_memory
 from ..ops.linear_cpu import linear_available, pack_weight, packed_linear, unpack_weight
 
 _ROWS_HINT = 8
@@ -98,11 +99,12 @@ def pack_linears(model: nn.Module) -> int:
     kernel and fails with oneDNN's. A weight shared within ``model`` (an LM head tied to the
     embeddings) stays as it is, beside a packed copy that does not follow in-place changes to
     it. Pass the whole model: a weight shared with a module outside ``model`` is taken as
-    unshared (the tie is gone, then and after unpacking). First, the model's CPU parameters
-    and buffers are copied once into memory of their own (same values), so that a checkpoint
-    memory-mapped from its file (transformers' safetensors loading) is unmapped rather than
-    kept resident beside the packed weights; until it is, both are resident (the process's
-    peak). A mapped file's pages are shared by the processes that map it, private copies are
+    unshared (the tie is gone, then and after unpacking). The weights are packed one at a
+    time, each dense weight let go as its packed copy takes its place; then the model's other
+    CPU parameters and buffers are copied once into memory of their own (same values), so that
+    a checkpoint memory-mapped from its file (transformers' safetensors loading) is unmapped
+    rather than kept resident beside the packed weights (until it is, both are resident: the
+    process's peak), and the heap's free pages go back to the OS. A mapped file's pages are shared by the processes that map it, private copies are
     not: on p local ranks, the total moves less than the sum of the ranks' RSS suggests.
     Wherever autograd records (outside ``no_grad``, an input, a dense weight or a bias that
     requires grad) a layer runs ``F.linear`` on the dense weight.
@@ -115,12 +117,8 @@ def pack_linears(model: nn.Module) -> int:
         for p in m.parameters(recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
     todo = [m for m in model.modules() if _packable(m)]
-    if todo:  # every tensor gets memory of its own first: a checkpoint mapped from a file is let go
-        for t in [*model.parameters(), *model.buffers()]:
-            if not t.is_mkldnn and t.device.type == "cpu":
-                t.data = t.data.clone()
     n = 0
-    for m in todo:
+    for m in todo:  # one weight at a time: the packed copy replaces it, and it goes
         w = m.weight
         packed = pack_weight(w) if own else torch.ops.mkldnn._reorder_linear_weight(w.detach(), _ROWS_HINT)
         shared = owners[id(w)] > 1
@@ -129,7 +127,17 @@ def pack_linears(model: nn.Module) -> int:
         setattr(m, _ATTR, (packed, shared, w.requires_grad, own))
         m.forward = _forward.__get__(m)
         n += 1
+        del w, packed
+    if todo:  # the tensors left get memory of their own: a checkpoint mapped from a file is let go
+        for t in [*model.parameters(), *model.buffers()]:
+            if not t.is_mkldnn and t.device.type == "cpu" and not _is_packed(model, t):
+                t.data = t.data.clone()
+        trim_free_memory()
     return n
+
+
+def _is_packed(model: nn.Module, t: Tensor) -> bool:
+    return any(getattr(m, _ATTR)[0] is t for m in model.modules() if hasattr(m, _ATTR))
 
 
 def unpack_linears(model: nn.Module) -> int:

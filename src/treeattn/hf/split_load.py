@@ -3,9 +3,12 @@ the rows or columns of the weights it keeps, so no rank ever holds the whole mod
 
 The model is built with its parameters on the ``meta`` device (no memory; buffers such as the
 rotary frequencies are computed for real), split by :func:`~treeattn.hf.tensor_parallel` (on
-``meta`` still), then every parameter is read from the checkpoint's memory-mapped files: a
-split layer's shard through ``safe_open(...).get_slice`` (only its part of the tensor is
-copied), the rest whole. A tied output embedding is tied again afterwards. The result is the
+``meta`` still), then every parameter is read from the checkpoint's safetensors files
+(:func:`open_checkpoint`): a split layer's shard as its rows (one read) or, for a row-parallel
+layer, its part of each row, the rest whole, each straight into memory of its own. Reads, not
+a memory map: a mapped file's pages count in the rank's resident memory once touched, and a
+row-parallel shard touches every page of its tensor (SmolLM2 at p = 2: 231 MiB of the file
+resident beside the 290 MiB of shards). A tied output embedding is tied again afterwards. The result is the
 model :func:`~treeattn.hf.models.load_model` followed by ``tensor_parallel`` gives, bit for
 bit, at the cost of its shards instead of the whole model.
 """
@@ -14,12 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open  # a dependency of transformers
 from torch import nn
 
 from ..parallel.tensor import ColumnParallel, RowParallel
@@ -45,6 +48,95 @@ def _params_on_meta():
         nn.Module.register_parameter = register
 
 
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}  # fmt: skip
+
+
+class _Slice:
+    def __init__(self, ck: _File, key: str) -> None:
+        self.ck, self.key = ck, key
+
+    def __getitem__(self, index: tuple) -> torch.Tensor:
+        return self.ck.read(self.key, index if isinstance(index, tuple) else (index,))
+
+
+class _File:
+    """One safetensors file, read with ``pread`` (its format: an 8-byte little-endian header
+    size, a JSON header of each tensor's dtype, shape and byte range, then the data)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+        try:
+            n = int.from_bytes(os.pread(self.fd, 8, 0), "little")
+            head = json.loads(os.pread(self.fd, n, 8))
+        except (ValueError, OSError) as err:
+            os.close(self.fd)
+            raise ValueError(f"{path}: not a safetensors file ({err})") from None
+        head.pop("__metadata__", None)
+        self.head, self.base = head, 8 + n
+
+    def __enter__(self) -> _File:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.close(self.fd)
+
+    def keys(self) -> list[str]:
+        return list(self.head)
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        return self.read(key, ())
+
+    def get_slice(self, key: str) -> _Slice:
+        return _Slice(self, key)
+
+    def read(self, key: str, index: tuple) -> torch.Tensor:
+        """Tensor ``key``'s part ``index`` (slices of its first one or two dims, step 1), read
+        straight into a new tensor: its bytes alone (a part of each row for a column slice)."""
+        info = self.head[key]
+        dt, shape = _DTYPES.get(info["dtype"]), list(info["shape"])
+        if dt is None:
+            raise ValueError(f"{self.path}: tensor {key!r} has dtype {info['dtype']}, which treeattn does not read")
+        if len(index) > 2 or (len(index) == 2 and len(shape) != 2):
+            raise ValueError(f"{self.path}: tensor {key!r}: cannot read part {index} of shape {tuple(shape)}")
+        span = []
+        for d, ix in enumerate(index):
+            a, b, step = ix.indices(shape[d])
+            if step != 1:
+                raise ValueError(f"{self.path}: tensor {key!r}: strided part {index}")
+            span.append((a, max(a, b)))
+        es = torch.empty((), dtype=dt).element_size()
+        row = es * math.prod(shape[1:])
+        start = self.base + info["data_offsets"][0]
+        r0, r1 = span[0] if span else (0, shape[0] if shape else 1)
+        if len(span) < 2:  # whole rows: one read
+            out = torch.empty([r1 - r0, *shape[1:]] if shape else [], dtype=dt)
+            self._into(out, start + r0 * row)
+            return out
+        c0, c1 = span[1]
+        out = torch.empty(r1 - r0, c1 - c0, dtype=dt)
+        for r in range(r0, r1):  # a row-parallel shard: its columns of each row
+            self._into(out[r - r0], start + r * row + c0 * es)
+        return out
+
+    def _into(self, t: torch.Tensor, offset: int) -> None:
+        buf = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+        got = 0
+        while got < len(buf):
+            n = os.preadv(self.fd, [buf[got:]], offset + got)
+            if n <= 0:
+                raise ValueError(f"{self.path}: truncated (wanted {len(buf)} bytes at {offset})")
+            got += n
+
+
+def open_checkpoint(path: str | os.PathLike) -> _File:
+    """One safetensors file, for reading tensors and their parts (``keys()``, ``get_tensor(key)``,
+    ``get_slice(key)[index]``, as ``safetensors.safe_open``) by plain reads; a context manager."""
+    return _File(Path(path))
+
+
 def _checkpoint(model_dir: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it."""
     index = model_dir / "model.safetensors.index.json"
@@ -52,7 +144,7 @@ def _checkpoint(model_dir: Path) -> dict[str, Path]:
         return {k: model_dir / f for k, f in json.loads(index.read_text())["weight_map"].items()}
     where: dict[str, Path] = {}
     for f in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(f, framework="pt") as h:
+        with open_checkpoint(f) as h:
             where.update(dict.fromkeys(h.keys(), f))
     return where
 
@@ -123,7 +215,7 @@ def load_split(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
             raise ValueError(f"{d}: the checkpoint has no tensor {key!r} (the model's {name})")
         todo.setdefault(where[key], []).append((name, key, index))
     for f, items in todo.items():
-        with safe_open(f, framework="pt") as h:  # memory-mapped: only the parts indexed are read
+        with open_checkpoint(f) as h:  # only the parts indexed are read
             for name, key, index in items:
                 t = h.get_slice(key)[index] if index else h.get_tensor(key)
                 want = params[name]
