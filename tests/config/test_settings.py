@@ -110,3 +110,18 @@ def test_one_process_agreement():
         agree({"x": {1}}, None)
     with pytest.raises(RuntimeError, match="share a name"):
         agree({"a": Layout(), "b": Layout()}, None)
+
+
+
+def test_memory_sizes():
+    """``--kv-cache-memory``: sizes with binary and decimal units or in bytes, fractions in (0, 1),
+    and what is neither refused."""
+    from treeattn._argtypes import memory_size
+
+    assert memory_size("8GiB")[:2] == ("bytes", 8 * 2**30) and memory_size("2G")[:2] == ("bytes", 2 * 2**30)
+    assert memory_size("512 MiB")[:2] == ("bytes", 512 * 2**20) and memory_size("1.5GB")[:2] == ("bytes", 1.5e9)
+    assert memory_size("4096")[:2] == ("bytes", 4096) and memory_size("1")[:2] == ("bytes", 1)
+    assert memory_size("0.25") == ("fraction", 0.25, "0.25")
+    for bad in ("lots", "0", "-1GiB", "1.5", "2 parsecs", "", "nan", "inf", "GiB", "2e"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            memory_size(bad)

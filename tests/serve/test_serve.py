@@ -467,9 +467,18 @@ def test_job_checks_every_value_before_the_queue():
     assert engine.stats["requests"] == 2 and not engine.entries
 
 
+def _kv_bytes(tokens: int) -> str:
+    """``--kv-cache-memory`` for ``tokens`` K/V tokens per rank of the tiny model (in KiB where whole)."""
+    from treeattn.cli.memory import kv_token_bytes
+    from treeattn.hf.presets import preset_config
+
+    n = tokens * kv_token_bytes(preset_config(MODEL), torch.float32)
+    return f"{n // 1024}KiB" if n % 1024 == 0 else str(n)
+
+
 @pytest.fixture(scope="module")
-def tiny_server():
-    s = Server("--preset", MODEL, "--nproc", "2", "--api-key", "sekrit", "--max-queue", "4", "--cache-tokens", "64",
+def tiny_server():  # its K/V bound (64 tokens per rank) given in bytes
+    s = Server("--preset", MODEL, "--nproc", "2", "--api-key", "sekrit", "--max-queue", "4", "--kv-cache-memory", _kv_bytes(64),
                "--placement", "contiguous", "--prefill-chunk", "8", "--speculate", "prompt-lookup", "--fixed-draft",
                api_key="sekrit")  # fmt: skip  (speculation across ranks: greedy answers stay model.generate's)
     yield s
@@ -949,6 +958,15 @@ def test_cli_errors_before_any_rank_starts():
     assert r.returncode == 2 and "--draft-cache-tokens is used with --draft-model only" in r.stderr, r.stderr
     r = serve("--speculate", "draft", "--draft-model", "small-llama")  # another vocabulary
     assert r.returncode == 2 and "its vocabulary" in r.stderr, r.stderr
+    r = serve("--kv-cache-memory", "lots")
+    assert r.returncode == 2 and "argument --kv-cache-memory: expected a size such as 8GiB" in r.stderr, r.stderr
+    r = serve("--kv-cache-memory", "1GiB", "--cache-tokens", "100")
+    assert r.returncode == 2 and "give --kv-cache-memory or --cache-tokens, not both" in r.stderr, r.stderr
+    r = serve("--kv-cache-memory", "10")
+    assert r.returncode == 2 and "less than one token's K/V" in r.stderr, r.stderr
+    for too_much in (("--kv-cache-memory", "100000TiB"), ("--cache-tokens", str(10**13))):
+        r = serve(*too_much)
+        assert r.returncode == 2 and "does not fit" in r.stderr and "GiB available" in r.stderr, (too_much, r.stderr)
     r = serve("--max-model-len", "2000000")  # the preset has 1,048,576 positions
     assert r.returncode == 2 and "--max-model-len 2000000 exceeds the model's 1048576 positions" in r.stderr, r.stderr
     r = serve("--tp", "3", "--nproc", "2")

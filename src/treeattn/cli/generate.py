@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -13,6 +12,7 @@ import torch.distributed as dist
 
 from .._argtypes import at_least, positive_float
 from ..config import Sampling, Speculation, add_arguments, from_args
+from .memory import check_fit, ranks_of
 from .model import (
     UsageError,
     add_model_args,
@@ -140,30 +140,12 @@ def prepare(a: argparse.Namespace) -> Prepared:
 
 
 def _check_fit(a, cfg, L: int, new: int, batch: int) -> None:
-    from ..hf.models import available_memory, memory_plan
+    from ..hf.models import memory_plan
 
-    p, local_ranks = a.nproc, a.nproc
-    if "WORLD_SIZE" in os.environ:  # torchrun
-        p, local_ranks = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    plan = memory_plan(cfg, prompt_len=L, max_new_tokens=new, nproc=p, batch=batch, dtype=getattr(torch, a.dtype),
-                       prefill_chunk=a.prefill_chunk or None, tp=getattr(a, "tp", 1),
+    plan = memory_plan(cfg, prompt_len=L, max_new_tokens=new, nproc=ranks_of(a)[0], batch=batch,
+                       dtype=getattr(torch, a.dtype), prefill_chunk=a.prefill_chunk or None, tp=getattr(a, "tp", 1),
                        tpa=getattr(a, "tpa", 1))  # fmt: skip
-    gib = 2.0**30
-    if a.device == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError("--device cuda, but torch sees no CUDA device")
-        free = torch.cuda.mem_get_info()[0]
-        need, where = plan["total"], "this GPU"
-    else:
-        free = available_memory()
-        need, where = plan["total"] * local_ranks, f"this host ({local_ranks} ranks)"
-    if free is not None and need > 0.9 * free:
-        raise UsageError(
-            f"does not fit: ~{plan['total'] / gib:.1f} GiB per rank (weights {plan['weights'] / gib:.1f}, KV cache "
-            f"{plan['kv_cache'] / gib:.1f}, activations {plan['activations'] / gib:.1f}) = {need / gib:.1f} GiB on "
-            f"{where}, {free / gib:.1f} GiB available. Spread the ranks over more hosts/devices, shorten the prompt, "
-            "or use --dtype bfloat16"
-        )
+    check_fit(a, plan, "Spread the ranks over more hosts/devices, shorten the prompt, or use --dtype bfloat16")
 
 
 def worker(a: argparse.Namespace, job: Prepared, local: bool) -> None:

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .._argtypes import at_least
+from .._argtypes import at_least, memory_size
 from ..config import Serving, Speculation, add_arguments
 from ..serve.plan import MAX_DRAFT
+from .memory import serve_budget
 from .model import (
     UsageError,
     add_model_args,
@@ -39,9 +40,6 @@ def prepare(a: argparse.Namespace) -> str | None:
     if not dist.is_initialized():  # the local launcher (torchrun ranks prepare in their group)
         _listen(a.host, a.port).close()
     model_dir, cfg = check_model(a)
-    if getattr(cfg, "model_type", "") in ("bloom", "mpt"):  # hf.alibi: generate runs them, the batched step not
-        raise UsageError(f"{cfg.model_type}: ALiBi biases in the server's batched step are not implemented "
-                         "(treeattn generate runs this model)")  # fmt: skip
     from ..hf.families import max_positions
 
     pos = max_positions(cfg)
@@ -50,6 +48,7 @@ def prepare(a: argparse.Namespace) -> str | None:
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else a.nproc
     # --tp auto for the K/V the server may hold (--cache-tokens on every rank), else one long request
     resolve_tp(a, cfg, a.cache_tokens * world if a.cache_tokens else min(a.max_model_len or pos or 32768, 32768))
+    serve_budget(a, cfg)
     a.draft_dir = check_draft_model(a, cfg, model_dir) if a.speculate == "draft" else None
     a.chat_template = chat_template(a.chat_template)
     if a.chat_template is not None and not model_dir:
@@ -184,6 +183,10 @@ def add_parser(sub) -> None:
     g.add_argument("--api-key", default=os.environ.get("TREEATTN_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default $TREEATTN_API_KEY)")  # fmt: skip
     add_arguments(g, Serving)
+    g.add_argument("--kv-cache-memory", type=memory_size, default=None, metavar="SIZE",
+                   help="memory for the K/V on each rank, in place of --cache-tokens: a size (8GiB, 512MiB, 2G, "
+                   "bytes) or a fraction in (0, 1) of the memory available at start after the weights (checked at "
+                   "start, as the weights, --cache-tokens and a step's activations are)")  # fmt: skip
     add_arguments(g, Speculation, skip=("tree_width",), helps={
         "speculate": "speculative decoding inside the batched step: each request drafts from its own prompt and answer "
         "(prompt-lookup: a document it quotes) or from a --draft-model run on rank 0, as deep as measured step costs "
