@@ -158,13 +158,6 @@ def test_mpt_slopes_are_transformers():
         assert torch.equal(mpt_slopes(n), -build_mpt_alibi_tensor(n, 2)[:, 0, 0]), n
 
 
-def test_batched_step_refuses_alibi():
-    from treeattn.runtime.batch import BatchRunner
-
-    with pytest.raises(ValueError, match="ALiBi biases in the batched step"):
-        BatchRunner(tiny("bloom"))
-
-
 def test_cli_generate_bloom_loaded_split(tmp_path):
     import subprocess
     import sys
@@ -179,9 +172,37 @@ def test_cli_generate_bloom_loaded_split(tmp_path):
     assert "identical to single-process model.generate" in r.stderr, r.stderr
 
 
-def test_cli_serve_refuses_alibi(capsys):
-    from treeattn.cli import main
+def test_server_runs_alibi_families():
+    """``treeattn serve`` with an ALiBi family (tiny MPT, p = 2): requests at once, each answer
+    single-process transformers' greedy tokens (the batched step biases rows, prefixes and a
+    line's own tokens from their global positions; tests/hf/test_batch.py holds its logits)."""
+    import concurrent.futures as cf
+    import re
 
-    assert main(["serve", "--preset", "tiny-mpt", "--nproc", "2", "--port", "0"]) == 2
-    err = capsys.readouterr().err
-    assert "ALiBi biases in the server's batched step are not implemented" in err and "Traceback" not in err, err
+    from server import Server
+
+    from treeattn.hf.presets import build_model
+
+    m = build_model("tiny-mpt", None, torch.float32, 0)[0]
+    s = Server("--preset", "tiny-mpt", "--nproc", "2", "--prefill-chunk", "8", "--max-batch", "3")
+    try:
+        g = torch.Generator().manual_seed(9)
+        prompts = [torch.randint(3, 500, (L,), generator=g).tolist() for L in (30, 30, 12)]
+        prompts[1][:20] = prompts[0][:20]  # a shared beginning: the second reads the first's prefix
+
+        def ask(ids):
+            return s.request("POST", "/v1/completions", {"model": "tiny-mpt", "prompt": ids, "max_tokens": 8,
+                                                          "temperature": 0, "ignore_eos": True})  # fmt: skip
+
+        ask(prompts[0])  # cached first
+        with cf.ThreadPoolExecutor(3) as ex:
+            got = list(ex.map(ask, prompts))
+        for ids, (st, body) in zip(prompts, got, strict=True):
+            assert st == 200, body
+            x = torch.tensor([ids])
+            ref = m.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=False,
+                             eos_token_id=None)[0, len(ids) :].tolist()  # fmt: skip
+            assert [int(t) for t in re.findall(r"<(\d+)>", body["choices"][0]["text"])] == ref, (ids, body)
+        assert got[1][1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    finally:
+        s.kill()

@@ -1,6 +1,6 @@
 """treeattn.runtime.BatchRunner: rows joining and leaving at random steps over shared prefixes, on
 tiny float64 models at p = 1, 2, 3, both placements, Tree and Ring, with sliding windows and
-softcaps. After every forward each row's logits equal single-process transformers run fresh
+softcaps, and ALiBi biases (BLOOM, MPT). After every forward each row's logits equal single-process transformers run fresh
 on its whole sequence (the prefix part it reads, then its own tokens), and every rank holds
 exactly the row tokens its placement gives it, with the K/V transformers computes; a prefix
 that adopts a finished row is checked the same way. Rows verify drafts too: logits at every
@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
-from test_session import Reference, check_shards, tiny64  # noqa: E402
+from test_session import Reference, check_shards, spread, tiny64  # noqa: E402
 
 from treeattn.launch import launch  # noqa: E402
 
@@ -47,6 +47,29 @@ def check_row(runner, row: int, seq: list[int], keep: int, owner: list[int], ref
             assert err <= ref.kv_tol, f"{what}: row {row} layer {layer}: K/V off by {err:.3g}"
 
 
+def fp32_spread(model) -> tuple[float, float]:
+    """Tolerances for families whose float64 transformers model still computes in float32 in
+    places (BLOOM's and MPT's attention softmax): 2x the difference between its float64 and
+    float32 forwards of 40 tokens (logits, K/V), at least :func:`spread`'s."""
+    import copy
+
+    import torch
+    from transformers import DynamicCache
+
+    from treeattn.hf.model import cache_kw
+
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
+    m32 = copy.deepcopy(model).float()
+    with torch.no_grad():
+        a = model(ids, **cache_kw(model, DynamicCache()), use_cache=True)
+        b = m32(ids, **cache_kw(m32, DynamicCache()), use_cache=True)
+    e_logits = (a.logits - b.logits.double()).abs().max().item()
+    e_kv = max(max((x.keys - y.keys.double()).abs().max().item(), (x.values - y.values.double()).abs().max().item())
+               for x, y in zip(a.past_key_values.layers, b.past_key_values.layers, strict=True))  # fmt: skip
+    tol, kv_tol = spread(model)
+    return max(tol, 2 * e_logits), max(kv_tol, 2 * e_kv)
+
+
 def run_case(kind: str, placement: str, attention: str, seed: int, steps: int, chunk: int | None = 4,
              placed_max: int = 16, split_min: int = 1 << 30) -> None:  # fmt: skip
     import treeattn.runtime.batch as batch
@@ -65,6 +88,8 @@ def run_case(kind: str, placement: str, attention: str, seed: int, steps: int, c
     refs: dict[int, Reference] = {}
     for pid in (0, 1):  # two shared prefixes, prefilled in one or two calls
         ref = refs[pid] = Reference(m, placement, p)
+        if kind in ("bloom", "mpt"):
+            ref.tol, ref.kv_tol = fp32_spread(m)
         a = [rng.randrange(V) for _ in range(rng.randrange(8, 30))]
         runner.prefill(pid, a)
         ref.block = runner.prefixes[pid].cache.placement.block
@@ -135,6 +160,9 @@ def batch_worker(seed0: int) -> None:
     run_case("mistral", "contiguous", "tree", seed0 + 13, steps=28, chunk=8, placed_max=1)
     run_case("gemma2", "contiguous", "ring", seed0 + 11, steps=28, chunk=8, split_min=6)
     run_case("gemma2", "interleaved", "tree", seed0 + 12, steps=10, chunk=None)
+    # ALiBi (BLOOM, MPT): the bias from every key's global position, in the rows, the prefixes and a line's own tokens
+    run_case("bloom", "interleaved", "tree", seed0 + 14, steps=12, chunk=8, placed_max=2, split_min=1)
+    run_case("mpt", "contiguous", "ring", seed0 + 15, steps=12, chunk=8)
 
 
 @pytest.mark.parametrize("p", [1, 2, 3])

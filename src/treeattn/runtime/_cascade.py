@@ -30,11 +30,12 @@ from torch import Tensor
 from ..cache import RowCache, ShardedKVCache
 from ..comm.strategies import reduce_states
 from ..ops import DecodeCall, attention_state, prefill_states, prepare_decode
+from ..ops.alibi import Alibi
 from ..ops.state import empty_state, merge_into
 from ..parallel import ring_decode
 from ..parallel.split import gather_qkv
 from ..parallel.tree import new_token_state
-from .steps import Step, no_alibi
+from .steps import Step
 
 # The prefix pass of the tokens of prompt chunks (``batch.WIDE_LINE`` tokens or more, logits at
 # the last only) runs through the prefill kernel on CPUs with AVX-512, each (query head, token)
@@ -144,16 +145,37 @@ class RowsStep(Step):
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale, window: int | None, softcap,
                alibi: Tensor | None = None) -> Tensor:  # fmt: skip
         """``q [1, Hq, N, D]``, the new tokens' ``k, v [1, Hkv, N, D]``; returns ``[1, Hq, N, Dv]``
-        (with ``cut``: this rank's share of the tokens in, and out)."""
-        no_alibi(self, alibi)
+        (with ``cut``: this rank's share of the tokens in, and out). ``alibi``: the layer's slopes
+        ``[Hq]``, the bias from every key's global position (rows', prefixes', the line's own)."""
         if self.cut is not None:
             q, k, v = gather_qkv(q, k, v, self.cut, self.group)
             self.stash[layer] = (k, v)
             a, b = self.cut[self.rows.rank], self.cut[self.rows.rank + 1]
-            return self._attend(layer, q, k, v, scale, window, softcap)[:, :, a:b]
-        return self._attend(layer, q, k, v, scale, window, softcap)
+            return self._attend(layer, q, k, v, scale, window, softcap, alibi)[:, :, a:b]
+        return self._attend(layer, q, k, v, scale, window, softcap, alibi)
 
-    def _attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale, window: int | None, softcap) -> Tensor:
+    def _pos(self, key, make) -> Tensor:
+        """A step's positions on the device, made once (the layers share them)."""
+        if key not in self._memo:
+            self._memo[key] = make().to(self.rows.device)
+        return self._memo[key]
+
+    def _row_bias(self, slopes: Tensor | None, i: int, s: Shape, u: int) -> Alibi | None:
+        """ALiBi of shape ``i``'s lines ``[n, T]`` over their rows' ``u`` local slots."""
+        if slopes is None:
+            return None
+        qp = self._pos(("qpos", i), lambda: self.q_pos[s.idx])
+        return Alibi(slopes, qp, self._pos(("kpos", i, u), lambda: self.rows.positions[s.rows, :u]))
+
+    def _prefix_bias(self, slopes: Tensor | None, gi: int, g: PrefixGroup, t, a: int, b: int) -> Alibi | None:
+        """ALiBi of the tokens ``t`` over prefix slots ``[a, b)`` of group ``gi``."""
+        if slopes is None:
+            return None
+        qp = self._pos("qpos", lambda: self.q_pos)[t].reshape(1, -1)
+        return Alibi(slopes, qp, self._pos(("gpos", gi), lambda: g.cache.positions[:, : g.local])[:, a:b])
+
+    def _attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale, window: int | None, softcap,
+                slopes: Tensor | None = None) -> Tensor:  # fmt: skip
         g_starts, s_starts = self.starts(window)
         N, Dv = q.shape[2], v.shape[3]
         ring = self.attention == "ring"
@@ -176,9 +198,14 @@ class RowsStep(Step):
                 self.rows.store(layer, rid, slots, k[0, :, flat].transpose(0, 1), v[0, :, flat].transpose(0, 1))
             ks, vs = self.rows.local(layer, s.dev["rows"])
             new = {} if s.placed is not None else dict(new_k=_lines(k, s), new_v=_lines(v, s))
+            bias = self._row_bias(slopes, i, s, ks.shape[2])
             if ring:  # the row's keys round the ring, the line's own earlier tokens merged after
-                o, l_ = ring_decode(qs, ks, vs, kv_lens=s.dev["lens"], kv_start=st, window=window, **new, **kw)
+                o, l_ = ring_decode(qs, ks, vs, kv_lens=s.dev["lens"], kv_start=st, window=window, alibi=bias, **new,
+                                    **kw)  # fmt: skip
                 o = o.to(acc)
+            elif bias is not None:  # (the torch path: the one that adds the bias)
+                o, l_ = attention_state(qs, ks, vs, scale=scale, kv_lens=s.dev["lens"], kv_start=st,
+                                        kv_end=s.dev.get("end"), softcap=softcap, keep_fp32=True, alibi=bias)  # fmt: skip
             else:
                 memo = self._memo.setdefault(("row", i, window, softcap, qs.shape, ks.shape, qs.dtype, ks.dtype), {})
                 o, l_ = row_state(qs, ks, vs, s.dev["lens"], st, scale, softcap, s.dev.get("end"), memo)
@@ -192,23 +219,34 @@ class RowsStep(Step):
                     kp = g.cache.k[layer]
                     memo = self._memo.setdefault(("prefix", gi, j, window, softcap, q.shape, q.dtype, kp.shape[1],
                                                   kp.dtype), {})  # fmt: skip
-                    o, l_ = prefix_state(q[:, :, t], g, layer, sp, scale, softcap, 0, g.local, wide=wide, end=en,
-                                         memo=memo)  # fmt: skip
+                    bias = self._prefix_bias(slopes, gi, g, t, 0, g.local)
+                    if bias is not None:
+                        kp, vp = _prefix(g, layer, 0, g.local)
+                        o, l_ = attention_state(q[:, :, t], kp, vp, scale=scale, kv_start=sp, kv_end=en,
+                                                softcap=softcap, keep_fp32=True, alibi=bias)  # fmt: skip
+                    else:
+                        o, l_ = prefix_state(q[:, :, t], g, layer, sp, scale, softcap, 0, g.local, wide=wide, end=en,
+                                             memo=memo)  # fmt: skip
                     so[1][:, :, t], sl[1][:, :, t] = o, l_  # a token reads one prefix: its state, not a merge
                 continue
             for j, a, b in g.segments():  # every rank the same segments: the same ring calls
                 t, sj = g.sels[j], None if st is None else st[j]
                 kp, vp = _prefix(g, layer, a, b)
                 lens = torch.full((1,), b - a, device=q.device)
-                o, l_ = ring_decode(q[:, :, t], kp, vp, kv_lens=lens, kv_start=sj, **kw)
+                o, l_ = ring_decode(q[:, :, t], kp, vp, kv_lens=lens, kv_start=sj, alibi=self._prefix_bias(slopes, gi, g, t, a, b),
+                                    **kw)  # fmt: skip
                 _merge_at(out, lse, t, o.to(acc), l_)
         if ring:
             return out.to(q.dtype)
         out, lse = reduce_states(so, sl, group=self.group, strategy=self.strategy, stacked=True)
         for s in self.shapes:  # a chunk's own tokens: the same on every rank, merged once
             if s.placed is None:
+                bias = None
+                if slopes is not None:
+                    qp = self._pos(("qpos", ("own", s.T)), lambda s=s: self.q_pos[s.idx])
+                    bias = Alibi(slopes, qp, qp)
                 o, l_ = new_token_state(_lines(q, s), _lines(k, s), _lines(v, s), None, scale, softcap=softcap,
-                                        window=window)  # fmt: skip
+                                        window=window, alibi=bias)  # fmt: skip
                 _merge_at(out, lse, s.dev["sel"], _flat(o)[None], _flat(l_)[None])
         return out.to(q.dtype)
 

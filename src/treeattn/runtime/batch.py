@@ -23,7 +23,6 @@ from torch import Tensor
 from ..cache import Placement, RowCache
 from ..comm.collectives import world
 from ..hf import model as S
-from ..hf.alibi import alibi_layers
 from ..hf.families import max_positions
 from ..hf.tensor_parallel import kv_heads_here
 from ..parallel.split import cuts
@@ -72,9 +71,7 @@ class BatchRunner:
 
     def __init__(self, model: torch.nn.Module, group: dist.ProcessGroup | None = None, max_batch: int = 8,
                  **session_kw) -> None:  # fmt: skip
-        why = S.model_problem(model)
-        if why is None and alibi_layers(model):
-            why = f"{type(model).__name__}: ALiBi biases in the batched step (the server's) are not implemented"
+        why = S.model_problem(model)  # (an ALiBi family's layers get treeattn's forward here)
         if why is not None:
             raise ValueError(why)
         if type(max_batch) is not int or max_batch < 1:
