@@ -63,6 +63,32 @@ def trim_free_memory() -> bool:
     return True
 
 
+def mapped_from_file():
+    """A test ``(address) -> bool``: whether this process maps that address from a file (Linux
+    ``/proc/self/maps``: a mapping with an inode, e.g. a memory-mapped checkpoint), as the maps
+    stand now. Where they cannot be read, every address counts as mapped (callers then copy)."""
+    import bisect
+
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return lambda addr: True
+    spans = []
+    for line in lines:
+        f = line.split()
+        if len(f) >= 6 and f[4] != "0" and not f[5].startswith("["):
+            lo, hi = (int(x, 16) for x in f[0].split("-"))
+            spans.append((lo, hi))
+    spans.sort()
+    starts = [lo for lo, _ in spans]
+
+    def mapped(addr: int) -> bool:
+        i = bisect.bisect_right(starts, addr) - 1
+        return i >= 0 and addr < spans[i][1]
+
+    return mapped
+
+
 _MADV_HUGEPAGE, _MADV_NOHUGEPAGE = 14, 15  # Linux <asm-generic/mman-common.h>
 _HUGE_MIN_BYTES = 4 << 20
 _libc: list = []

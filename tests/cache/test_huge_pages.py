@@ -44,3 +44,20 @@ def test_cache_buffers_on_huge_pages(monkeypatch):
         else:  # MADV_NOHUGEPAGE: small pages even when the host's mode is "always"
             assert got < alloc // 8, (env, got, alloc)
         del cache, t
+
+
+def test_mapped_from_file(tmp_path):
+    """pack_linears copies only tensors mapped from a file: the test tells a memory-mapped
+    tensor (a safetensors file opened as transformers does) from memory of its own."""
+    import torch
+
+    from treeattn._host import mapped_from_file, trim_free_memory
+
+    f = tmp_path / "w.bin"
+    torch.arange(1 << 16, dtype=torch.float32).numpy().tofile(f)
+    mm = torch.from_file(str(f), shared=False, size=1 << 16, dtype=torch.float32)
+    own = torch.zeros(1 << 16)
+    mapped = mapped_from_file()
+    assert mapped(mm.data_ptr()) and mapped(mm[100:].data_ptr())
+    assert not mapped(own.data_ptr()) and not mapped(mm.clone().data_ptr())
+    assert trim_free_memory() in (True, False)

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._host import trim_free_memory
+from .._host import mapped_from_file, trim_free_memory
 from ..ops.linear_cpu import linear_available, pack_weight, packed_linear, unpack_weight
 
 _ROWS_HINT = 8
@@ -99,12 +99,13 @@ def pack_linears(model: nn.Module) -> int:
     kernel and fails with oneDNN's. A weight shared within ``model`` (an LM head tied to the
     embeddings) stays as it is, beside a packed copy that does not follow in-place changes to
     it. Pass the whole model: a weight shared with a module outside ``model`` is taken as
-    unshared (the tie is gone, then and after unpacking). The weights are packed one at a
-    time, each dense weight let go as its packed copy takes its place; then the model's other
-    CPU parameters and buffers are copied once into memory of their own (same values), so that
-    a checkpoint memory-mapped from its file (transformers' safetensors loading) is unmapped
-    rather than kept resident beside the packed weights (until it is, both are resident: the
-    process's peak), and the heap's free pages go back to the OS. A mapped file's pages are shared by the processes that map it, private copies are
+    unshared (the tie is gone, then and after unpacking). First, the model's CPU parameters and
+    buffers that are mapped from a file (transformers' safetensors loading) are copied once
+    into memory of their own (same values), so that the checkpoint is unmapped rather than kept
+    resident beside the packed weights (until it is, both are resident: the process's peak);
+    tensors in memory of their own already (``load_split``'s) are not copied. Then the weights
+    are packed one at a time, each dense weight let go as its packed copy takes its place, and
+    the heap's free pages go back to the OS. A mapped file's pages are shared by the processes that map it, private copies are
     not: on p local ranks, the total moves less than the sum of the ranks' RSS suggests.
     Wherever autograd records (outside ``no_grad``, an input, a dense weight or a bias that
     requires grad) a layer runs ``F.linear`` on the dense weight.
@@ -117,6 +118,11 @@ def pack_linears(model: nn.Module) -> int:
         for p in m.parameters(recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
     todo = [m for m in model.modules() if _packable(m)]
+    if todo:  # tensors mapped from a file get memory of their own first: the checkpoint is let go
+        mapped = mapped_from_file()
+        for t in [*model.parameters(), *model.buffers()]:
+            if not t.is_mkldnn and t.device.type == "cpu" and t.numel() and mapped(t.data_ptr()):
+                t.data = t.data.clone()
     n = 0
     for m in todo:  # one weight at a time: the packed copy replaces it, and it goes
         w = m.weight
@@ -128,16 +134,10 @@ def pack_linears(model: nn.Module) -> int:
         m.forward = _forward.__get__(m)
         n += 1
         del w, packed
-    if todo:  # the tensors left get memory of their own: a checkpoint mapped from a file is let go
-        for t in [*model.parameters(), *model.buffers()]:
-            if not t.is_mkldnn and t.device.type == "cpu" and not _is_packed(model, t):
-                t.data = t.data.clone()
+    if todo:
         trim_free_memory()
     return n
 
-
-def _is_packed(model: nn.Module, t: Tensor) -> bool:
-    return any(getattr(m, _ATTR)[0] is t for m in model.modules() if hasattr(m, _ATTR))
 
 
 def unpack_linears(model: nn.Module) -> int:
