@@ -136,3 +136,16 @@ def test_the_dispatch_alone_runs_the_chosen_kernel(monkeypatch):
     pos = torch.arange(300).expand(2, 300)
     attention_with_lse(q, k, v, alibi=Alibi(alibi_slopes(8), torch.full((2,), 300), pos))
     assert ran == ["torch"]
+
+
+def test_kernel_run_is_the_dispatch_run():
+    """Kernel.run runs the same function the dispatch does (one table)."""
+    import treeattn.ops.dispatch as D
+
+    q, k, v, lens, _ = make_call(torch.float32, 1, 4, 2, 1, 50, 32, 32, True, False, None, None)
+    a = D.Args(q, k, v, D.scale_of(q, None), kv_lens=lens)
+    for name, device in CASES:
+        if device == "cpu":
+            out, lse = KERNELS[name].run(a)
+            ref_out, ref_lse = attention_with_lse(q, k, v, kv_lens=lens, backend=name)
+            assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse), name

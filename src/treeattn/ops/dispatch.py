@@ -1,6 +1,6 @@
 """The one dispatch of a local attention call: :func:`dispatch` chooses the kernel
 (:mod:`.kernels`: what each takes, what ``auto`` picks) and runs it: each kernel's run is
-below (:data:`RUNS`, what :meth:`~treeattn.ops.kernels.Kernel.run` calls). What every kernel but
+below, registered in the registry's ``RUNS`` (what :meth:`~treeattn.ops.kernels.Kernel.run` calls). What every kernel but
 ``decode_cpu`` starts from is worked out here once: the keys each query row reads (``[lo,
 hi)``, :mod:`._bounds`), the keys no row reads trimmed off, the rows that read nothing."""
 
@@ -15,6 +15,7 @@ from ._blocks import _chunked
 from ._bounds import _backend, _decode_call, _row_bounds, _trim, one_length
 from ._finite import all_finite
 from .alibi import Alibi, row_bias
+from .kernels import RUNS
 from .state import empty_state
 
 __all__ = ["Args", "RUNS", "dispatch", "scale_of"]
@@ -52,7 +53,7 @@ def dispatch(a: Args, backend: str = "auto") -> tuple[Tensor, Tensor]:
     name = "torch" if a.alibi is not None else _backend(
         a.q, a.k, a.v, backend, a.mask, a.kv_lens, a.causal, a.kv_start, a.kv_end, a.softcap
     )
-    return RUNS[name](a)  # = KERNELS[name].run(a), without that method's import (~2 us a call)
+    return RUNS[name](a)  # = KERNELS[name].run(a)
 
 
 @dataclass
@@ -197,8 +198,8 @@ def run_triton(a: Args) -> tuple[Tensor, Tensor]:
     return out.reshape(B, Hq, Tq, Dv), lse.reshape(B, Hq, Tq)
 
 
-RUNS = {"torch": run_torch, "flash_cpu": run_flash_cpu, "decode_cpu": run_decode_cpu,
-        "fused_cuda": run_fused_cuda, "triton": run_triton}  # fmt: skip
+RUNS.update(torch=run_torch, flash_cpu=run_flash_cpu, decode_cpu=run_decode_cpu, fused_cuda=run_fused_cuda,
+            triton=run_triton)  # (the registry's table: Kernel.run reads it)
 def _flash_cpu(
     qg: Tensor, k: Tensor, v: Tensor, scale: float, lo: Tensor | None, hi: Tensor | None, vis: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:

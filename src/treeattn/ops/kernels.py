@@ -68,9 +68,12 @@ class Kernel:
 
     def run(self, args) -> tuple[Tensor, Tensor]:
         """``(out, lse)`` of the call ``args`` (validated, accepted) on this kernel."""
-        from .dispatch import RUNS  # (dispatch imports this registry)
-
         return RUNS[self.name](args)
+
+
+# name -> how the kernel runs a call (an ``ops.dispatch.Args``), filled by :mod:`.dispatch`, where
+# the runs live (importing this registry, not imported by it)
+RUNS: dict[str, Callable] = {}
 
 
 def _torch(c: Call) -> str | None:
