@@ -135,10 +135,6 @@ class BatchRunner:
         self.rows.close(row)
         self.row_prefix[row], self.row_ids[row] = None, []
 
-    def length(self, row: int) -> int:
-        """Global length of ``row``'s sequence (its prefix part included)."""
-        return int(self.rows.start[row] + self.rows.n[row])
-
     def trim(self, row: int, n: int) -> None:
         """Keep the first ``n`` of ``row``'s own tokens (drop rejected draft tokens)."""
         self.rows.truncate(row, n)
