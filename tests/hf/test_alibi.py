@@ -180,7 +180,6 @@ def test_server_runs_alibi_families():
     import re
 
     from server import Server
-
     from treeattn.hf.presets import build_model
 
     m = build_model("tiny-mpt", None, torch.float32, 0)[0]
