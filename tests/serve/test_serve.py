@@ -469,7 +469,7 @@ def test_job_checks_every_value_before_the_queue():
 
 def _kv_bytes(tokens: int) -> str:
     """``--kv-cache-memory`` for ``tokens`` K/V tokens per rank of the tiny model (in KiB where whole)."""
-    from treeattn.cli.memory import kv_token_bytes
+    from treeattn.hf.models import kv_token_bytes
     from treeattn.hf.presets import preset_config
 
     n = tokens * kv_token_bytes(preset_config(MODEL), torch.float32)

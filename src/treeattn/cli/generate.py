@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from .._argtypes import at_least, positive_float
 from ..config import Sampling, Speculation, add_arguments, from_args
-from .memory import check_fit, ranks_of
+from .memory import check_fit
 from .model import (
     UsageError,
     add_model_args,
@@ -20,6 +20,7 @@ from .model import (
     check_draft_model,
     check_model,
     rank_model,
+    ranks_of,
     resolve_tp,
     run_ranks,
     say,

@@ -9,16 +9,9 @@ import os
 import torch
 
 from ..config import Serving
-from .model import UsageError, say
+from .model import UsageError, ranks_of, say
 
 _GIB = 2.0**30
-
-
-def ranks_of(a: argparse.Namespace) -> tuple[int, int]:
-    """(ranks, ranks on this host): the launcher's ``--nproc``, or torchrun's."""
-    if "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return a.nproc, a.nproc
 
 
 def _free(a: argparse.Namespace) -> tuple[int | None, str, int]:
@@ -46,18 +39,10 @@ def check_fit(a: argparse.Namespace, plan: dict[str, int], hint: str) -> None:
         )
 
 
-def kv_token_bytes(cfg, dtype: torch.dtype, tpa: int = 1) -> int:
-    """Bytes one token's K/V takes on the rank holding it (every layer; its slice's KV heads)."""
-    from ..cost.layouts import shape_of
-
-    m = shape_of(cfg)
-    return m.layers * (m.kv_heads // tpa) * 2 * m.head_dim * (torch.finfo(dtype).bits // 8)
-
-
 def serve_budget(a: argparse.Namespace, cfg) -> None:
     """``serve``: ``--kv-cache-memory`` into ``a.cache_tokens`` (K/V tokens per rank), then the
     weights, that K/V and a step's activations checked against the memory free at start."""
-    from ..hf.models import memory_plan
+    from ..hf.models import kv_token_bytes, memory_plan
 
     p, _ = ranks_of(a)
     dtype, tpa = getattr(torch, a.dtype), a.tpa

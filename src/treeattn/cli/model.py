@@ -63,6 +63,13 @@ def add_model_args(g: argparse.ArgumentParser, *, cuda_graph: bool = False) -> N
                    help="seconds a collective may wait for a peer before every rank fails (default 120)")  # fmt: skip
 
 
+def ranks_of(a: argparse.Namespace) -> tuple[int, int]:
+    """(ranks, ranks on this host): the launcher's ``--nproc``, or torchrun's."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return a.nproc, a.nproc
+
+
 def model_config(spec: str) -> tuple:
     """(directory, config) of a ``--model`` argument; UsageError when it cannot be found."""
     from transformers import AutoConfig
@@ -89,7 +96,7 @@ def resolve_tp(a: argparse.Namespace, cfg, tokens: int) -> None:
     from ..cost.layouts import pick_tp, shape_of
     from ..cost.profile import resolve
 
-    world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else a.nproc
+    world = ranks_of(a)[0]
     cluster, where = resolve(None, "nccl" if a.device == "cuda" else "gloo")
     es = torch.finfo(getattr(torch, a.dtype)).bits // 8
     asked = ["--tp auto" if a.tp == "auto" else None, "--tpa auto" if getattr(a, "tpa", 1) == "auto" else None]
@@ -114,7 +121,7 @@ def check_model(a: argparse.Namespace) -> tuple:
     from ..hf.families import unsupported_reason
     from ..hf.presets import preset_config
 
-    world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else a.nproc
+    world = ranks_of(a)[0]
     if a.tp not in (1, world, "auto"):
         raise UsageError(f"--tp {a.tp}: the weights split over 1 rank (whole) or every rank ({world}), not {a.tp}")
     tpa = getattr(a, "tpa", 1)

@@ -24,6 +24,7 @@ from .model import (
     check_draft_model,
     check_model,
     rank_model,
+    ranks_of,
     resolve_tp,
     run_ranks,
     say,
@@ -45,7 +46,7 @@ def prepare(a: argparse.Namespace) -> str | None:
     pos = max_positions(cfg)
     if a.max_model_len is not None and pos and a.max_model_len > pos:
         raise UsageError(f"--max-model-len {a.max_model_len} exceeds the model's {pos} positions")
-    world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else a.nproc
+    world = ranks_of(a)[0]
     # --tp auto for the K/V the server may hold (--cache-tokens on every rank), else one long request
     resolve_tp(a, cfg, a.cache_tokens * world if a.cache_tokens else min(a.max_model_len or pos or 32768, 32768))
     serve_budget(a, cfg)

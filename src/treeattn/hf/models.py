@@ -199,6 +199,12 @@ def load_model(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32)
     return model.eval(), tok
 
 
+def kv_token_bytes(config, dtype: torch.dtype = torch.float32, tpa: int = 1) -> int:
+    """Bytes one token's K/V takes on the rank holding it (every layer; its head slice's KV heads)."""
+    m = shape_of(config)
+    return m.layers * (m.kv_heads // tpa) * 2 * m.head_dim * (torch.finfo(dtype).bits // 8)
+
+
 def memory_plan(config, *, prompt_len: int, max_new_tokens: int, nproc: int, batch: int = 1,
                 dtype: torch.dtype = torch.float32, prefill_chunk: int | None = 1024,
                 n_params: int | None = None, tp: int = 1, tpa: int = 1) -> dict[str, int]:  # fmt: skip
@@ -219,7 +225,7 @@ def memory_plan(config, *, prompt_len: int, max_new_tokens: int, nproc: int, bat
         layer = qkv + -(-split // tp)
         n_params = -(-emb * (1 if m.tied else 2) // tp) + m.layers * layer  # the vocabulary split too
     tokens = -(-(prompt_len + max_new_tokens) // (nproc // tpa)) + 16  # a slice's sequence shards
-    kv = m.layers * batch * m.kv_heads // tpa * 2 * hd * tokens * es
+    kv = batch * tokens * kv_token_bytes(config, dtype, tpa)
     share = -(-prompt_len // nproc)
     chunk = min(share, prefill_chunk or share)
     act = batch * chunk * (4 * H + 3 * m.intermediate) * 4
